@@ -1,0 +1,60 @@
+"""Our Llama forward pass against transformers' LlamaForCausalLM on small random-weight checkpoints."""
+
+import random
+
+import pytest
+import torch
+
+from tests.utils import hf_greedy, hf_model, our_logits, relative_error, save_tiny_llama
+from tinyvllm import LLM, SamplingParams
+
+CONFIGS = {
+    "mha-tied": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
+    "gqa-untied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "gqa4-llama3-rope-sharded": dict(
+        num_attention_heads=8, num_key_value_heads=2, hidden_size=128, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "odd-head-dim": dict(num_attention_heads=4, num_key_value_heads=1, head_dim=24, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp(request.param))
+    shard = "60KB" if "sharded" in request.param else None
+    save_tiny_llama(path, seed=len(request.param), max_shard_size=shard, **CONFIGS[request.param])
+    return path
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoint):
+    llm = LLM(checkpoint, skip_tokenizer_init=True, device="cpu", num_kv_blocks=64)
+    return llm, hf_model(checkpoint)
+
+
+def test_sharded_checkpoint_is_sharded(checkpoint):
+    import os
+
+    if "sharded" in checkpoint:
+        assert os.path.isfile(os.path.join(checkpoint, "model.safetensors.index.json"))
+
+
+def test_logits_match_transformers(engines):
+    llm, hf = engines
+    rng = random.Random(1)
+    for length in (1, 7, 33, 150):
+        ids = [rng.randrange(256) for _ in range(length)]
+        ours = our_logits(llm, ids)
+        with torch.inference_mode():
+            ref = hf(torch.tensor([ids])).logits[0].float()
+        assert relative_error(ours, ref) < 1e-4, length
+
+
+def test_greedy_tokens_match_transformers(engines):
+    llm, hf = engines
+    prompt = [5, 17, 99, 3, 42, 7, 200, 31]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    ours = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert ours == hf_greedy(hf, prompt, 32)

@@ -1,0 +1,73 @@
+"""Helpers shared by the tests: small random-weight Llama checkpoints and direct model access."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from tinyvllm.ops import AttentionMetadata
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=0,
+            eos_token_id=1, initializer_range=0.1)
+
+
+def save_tiny_llama(path: str, seed: int = 0, max_shard_size: str | None = None, tokenizer_dir: str | None = None,
+                    dtype: torch.dtype = torch.float32, **overrides: Any) -> str:
+    """A random-weight LlamaForCausalLM saved as a safetensors directory (sharded if asked)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{**TINY, **overrides})
+    model = LlamaForCausalLM(config).to(dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    if tokenizer_dir is not None:
+        for name in os.listdir(tokenizer_dir):
+            with open(os.path.join(tokenizer_dir, name), "rb") as src, open(os.path.join(path, name), "wb") as dst:
+                dst.write(src.read())
+    return path
+
+
+def hf_model(path: str) -> Any:
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def our_logits(llm: Any, token_ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one sequence, through our model and a scratch block table."""
+    engine = llm.llm_engine
+    runner = engine.model_runner
+    bs = runner.block_size
+    n = len(token_ids)
+    num_blocks = (n + bs - 1) // bs
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    blocks = list(range(num_blocks))
+    device = runner.device
+    meta = AttentionMetadata(
+        cu_query_lens=torch.tensor([0, n], dtype=torch.int32, device=device),
+        context_lens=torch.tensor([n], dtype=torch.int32, device=device),
+        block_tables=torch.tensor([blocks], dtype=torch.int32, device=device),
+        slot_mapping=torch.arange(n, device=device),
+        max_query_len=n, max_context_len=n)
+    ids = torch.tensor(token_ids, device=device)
+    hidden = runner.model(ids, torch.arange(n, device=device), meta)
+    return runner.model.compute_logits(hidden)
+
+
+@torch.inference_mode()
+def hf_greedy(model: Any, prompt: list[int], num_tokens: int) -> list[int]:
+    """Greedy continuation by full forward passes (no cache, no EOS handling): the plainest reference."""
+    ids = list(prompt)
+    for _ in range(num_tokens):
+        logits = model(torch.tensor([ids])).logits[0, -1]
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())

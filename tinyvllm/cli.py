@@ -1,0 +1,147 @@
+"""The `tinyvllm` command: generate, chat (and the subcommands other modules add)."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from tinyvllm.sampling_params import SamplingParams
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="model directory or .gguf file (default: embedded SmolLM2-135M)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--scheduling", default="continuous", choices=["continuous", "static"])
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
+                enforce_eager=args.enforce_eager, scheduling=args.scheduling)
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, seed=args.seed)
+
+
+def stream(llm: Any, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:
+    """Yields a request's text as it is generated."""
+    engine = llm.llm_engine
+    request_id = f"cli-{next(_ids)}"
+    engine.add_request(request_id, prompt, params, output_kind="delta")
+    try:
+        while True:
+            for output in engine.step():
+                if output.request_id == request_id:
+                    yield output.outputs[0].text
+                    if output.finished:
+                        return
+    finally:
+        engine.abort_request(request_id)
+
+
+_ids = itertools.count()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tinyvllm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    params = sampling_params(args)
+    prompt: str | list[int] = args.prompt
+    tokenizer = llm.get_tokenizer()
+    if not args.no_chat and tokenizer is not None and tokenizer.chat_template:
+        prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
+    for text in stream(llm, prompt, params):
+        print(text, end="", flush=True)
+    print()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from tinyvllm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    params = sampling_params(args)
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        message = line.strip()
+        if not message:
+            continue
+        if message in ("/exit", "/quit"):
+            return 0
+        history.append({"role": "user", "content": message})
+        answer = []
+        for text in stream(llm, llm.apply_chat_template(history), params):
+            answer.append(text)
+            print(text, end="", flush=True)
+        print(flush=True)
+        history.append({"role": "assistant", "content": "".join(answer)})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tinyvllm", description="a small, fast LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate a completion for one prompt, streamed")
+    p.add_argument("prompt")
+    p.add_argument("--no-chat", action="store_true", help="send the raw prompt, without the chat template")
+    add_engine_args(p)
+    add_sampling_args(p, max_tokens=256)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="an interactive conversation (reads lines from stdin; /exit ends it)")
+    p.add_argument("--system", default=None, help="a system prompt")
+    add_engine_args(p)
+    add_sampling_args(p, max_tokens=512)
+    p.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

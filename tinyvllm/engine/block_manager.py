@@ -1,0 +1,132 @@
+"""The KV cache's block pool: which blocks each sequence owns, and the prefix cache.
+
+A full block is identified by a hash of its tokens chained with the previous block's hash, so equal
+hashes mean equal prefixes; the tokens are compared too, so a hash collision cannot give wrong output.
+Blocks are reference counted; a block whose count drops to zero keeps its contents and hash and
+waits in the free queue, least recently used first, until a new block is needed."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from tinyvllm.engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+def block_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((prev_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached_blocks: dict[int, int] = {}  # hash -> block id
+        self.prefix_cache_queries = 0  # prompt tokens looked up in the cache
+        self.prefix_cache_hits = 0  # of those, tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some sequence (cached-but-free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached run of seq's full blocks. At least the last token is
+        left to compute, so that the step has logits to sample from."""
+        if not self.enable_prefix_caching:
+            return []
+        found: list[int] = []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        self._hash_full_blocks(seq, max_blocks)
+        for i in range(max_blocks):
+            block_id = self.cached_blocks.get(seq.block_hashes[i])
+            if block_id is None:
+                break
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            if self.blocks[block_id].token_ids != tokens:
+                break  # a hash collision: not our prefix
+            found.append(block_id)
+        return found
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] | None = None) -> bool:
+        """Give seq enough blocks for num_new_tokens more tokens, taking `cached` prefix blocks first.
+        Returns False, changing nothing, if the pool cannot provide them."""
+        cached = cached or []
+        num_cached_tokens = len(cached) * self.block_size
+        total = max(seq.num_computed_tokens, num_cached_tokens) + num_new_tokens
+        num_new_blocks = self.blocks_needed(total) - len(seq.block_table) - len(cached)
+        reviving = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        if num_new_blocks + reviving > self.num_free_blocks:
+            return False
+        for block_id in cached:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_queue[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        for _ in range(max(num_new_blocks, 0)):
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None and self.cached_blocks.get(block.hash) == block_id:
+                del self.cached_blocks[block.hash]  # evict
+            block.hash, block.token_ids, block.ref_count = None, (), 1
+            seq.block_table.append(block_id)
+        return True
+
+    def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_prompt_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's references. Its last blocks enter the free queue first, so they are evicted
+        before the (more widely shared) blocks of the start of the prompt."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+        seq.block_table = []
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Register seq's blocks that have become full of computed tokens in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        self._hash_full_blocks(seq, num_full)
+        for i in range(num_full):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is not None:
+                continue
+            block.hash = seq.block_hashes[i]
+            block.token_ids = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            self.cached_blocks.setdefault(block.hash, block.block_id)
+
+    def _hash_full_blocks(self, seq: Sequence, num_blocks: int) -> None:
+        for i in range(len(seq.block_hashes), num_blocks):
+            prev = seq.block_hashes[i - 1] if i else None
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            seq.block_hashes.append(block_hash(prev, tokens))
+
+    def check_whole(self) -> None:
+        """Our invariant once nothing runs: every block is free (possibly cached) and unreferenced."""
+        leaked = [b.block_id for b in self.blocks if b.ref_count != 0]
+        assert not leaked and self.num_free_blocks == self.num_blocks, f"leaked blocks: {leaked[:10]}"

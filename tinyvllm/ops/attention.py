@@ -1,0 +1,374 @@
+"""Attention over the paged KV cache, for prefill chunks and decode tokens alike."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU engine imports the reference on machines without Triton
+    triton = None
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's new tokens sit in the flat batch and where its KV lives in the cache.
+
+    Sequence i owns new tokens cu_query_lens[i]:cu_query_lens[i+1], at positions
+    context_lens[i] - query_len ... context_lens[i] - 1; its keys are in blocks block_tables[i, :]."""
+
+    cu_query_lens: torch.Tensor  # [B + 1] int32
+    context_lens: torch.Tensor  # [B] int32, tokens in the cache after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, unused entries are 0
+    slot_mapping: torch.Tensor  # [T] int64, -1 for padding tokens
+    max_query_len: int
+    max_context_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence adds exactly one token: the flash-decoding path applies."""
+        return self.max_query_len == 1
+
+
+def paged_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """q [T, Hq, D] -> out [T, Hq, D]: each new token attends causally to every earlier token of its
+    sequence in the cache (its own K/V included, already stored), grouped-query heads sharing KV."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    block_size = k_cache.shape[1]
+    group = num_q_heads // k_cache.shape[2]
+    out = torch.empty_like(q)
+    cu = meta.cu_query_lens.tolist()
+    context_lens = meta.context_lens.tolist()
+    for i, context_len in enumerate(context_lens):
+        start, end = cu[i], cu[i + 1]
+        if end == start:
+            continue
+        num_blocks = (context_len + block_size - 1) // block_size
+        blocks = meta.block_tables[i, :num_blocks].long()
+        k = k_cache[blocks].reshape(-1, k_cache.shape[2], head_dim)[:context_len].float()
+        v = v_cache[blocks].reshape(-1, v_cache.shape[2], head_dim)[:context_len].float()
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        query = q[start:end].float()
+        scores = torch.einsum("qhd,khd->hqk", query, k) * scale
+        query_pos = torch.arange(context_len - (end - start), context_len, device=q.device)
+        causal = query_pos[:, None] >= torch.arange(context_len, device=q.device)[None, :]
+        scores = scores.masked_fill(~causal, float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton kernels. Both paths work in the log2 domain: scores are multiplied by scale * log2(e) so that
+# the online softmax can use exp2. Rows of a tile are (query token, query head) pairs: the GROUP query
+# heads that share one KV head are packed into the M dimension, so each KV tile is loaded once for them.
+# ---------------------------------------------------------------------------------------------------
+
+_LOG2E = math.log2(math.e)
+
+if triton is not None:
+
+    # One step of the online softmax over the keys start_n .. start_n + BLOCK_N of one sequence:
+    #   s = (q @ K^T) * scale*log2(e), masked;  m' = max(m, rowmax(s));  p = exp2(s - m')
+    #   l' = l * exp2(m - m') + rowsum(p);      acc' = acc * exp2(m - m') + p @ V
+    # K/V rows are gathered through the block table: key n lives in block table[n // BLOCK_SIZE], slot
+    # n % BLOCK_SIZE. CAUSAL masks key n > q_pos[row]; BOUNDED masks keys >= kv_end (tiles that are not full).
+    @triton.jit
+    def _attend_tile(
+        acc, m_i, l_i, q, q_pos, start_n, kv_end, table_ptr, k_base, v_base,
+        stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+        BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+        CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
+    ):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+        in_range = offs_n < kv_end
+        if BOUNDED:
+            blocks = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+        else:
+            blocks = tl.load(table_ptr + offs_n // BLOCK_SIZE).to(tl.int64)
+        slots = offs_n % BLOCK_SIZE
+        k_ptrs = k_base + blocks[:, None] * stride_kb + slots[:, None] * stride_ks + offs_d[None, :]
+        v_ptrs = v_base + blocks[:, None] * stride_vb + slots[:, None] * stride_vs + offs_d[None, :]
+        if BOUNDED:
+            k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        if CAUSAL:
+            s = tl.where(offs_n[None, :] < q_pos[:, None], s, float("-inf"))
+        elif BOUNDED:
+            s = tl.where(in_range[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if BOUNDED:
+            v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        return acc, m_new, l_i
+
+    # Prefill (FlashAttention-2): program (query tile, kv head, sequence). The tile holds BLOCK_Q = BLOCK_M
+    # // GROUP query tokens times the GROUP heads of this KV head; token j of the sequence sits at position
+    # context_len - query_len + j. Keys below the tile's first position are visible to every row (unmasked
+    # loop); the diagonal band up to its last position is masked causally; keys beyond it are skipped.
+    @triton.jit
+    def _paged_prefill_kernel(
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_query_lens_ptr, context_lens_ptr,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh, stride_table, qk_scale,
+        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ):
+        BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
+        tile, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        seq_start = tl.load(cu_query_lens_ptr + seq)
+        query_len = tl.load(cu_query_lens_ptr + seq + 1) - seq_start
+        q_start = tile * BLOCK_Q
+        if q_start >= query_len:
+            return
+        context_len = tl.load(context_lens_ptr + seq)
+        first_pos = context_len - query_len + q_start
+        last_pos = context_len - query_len + tl.minimum(q_start + BLOCK_Q, query_len) - 1
+
+        rows = tl.arange(0, BLOCK_M)
+        q_index = q_start + rows // GROUP
+        head = kv_head * GROUP + rows % GROUP
+        row_valid = (rows < BLOCK_Q * GROUP) & (q_index < query_len)
+        q_pos = context_len - query_len + q_index
+        token = (seq_start + q_index).to(tl.int64)
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_valid[:, None], other=0.0)
+
+        table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
+        k_base = k_cache_ptr + kv_head * stride_kh
+        v_base = v_cache_ptr + kv_head * stride_vh
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
+        for start_n in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, q_pos, start_n, full_end, table_ptr, k_base, v_base,
+                stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                BLOCK_N, BLOCK_SIZE, HEAD_DIM, CAUSAL=False, BOUNDED=False,
+            )
+        for start_n in range(full_end, last_pos + 1, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, q_pos, start_n, last_pos + 1, table_ptr, k_base, v_base,
+                stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                BLOCK_N, BLOCK_SIZE, HEAD_DIM, CAUSAL=True, BOUNDED=True,
+            )
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+    # Decode (flash-decoding), pass 1: program (sequence, kv head, split) attends the GROUP query heads of
+    # its single new token to keys split*partition .. min((split+1)*partition, context_len). With one
+    # split it writes the output; otherwise it writes the partial result acc/l and its log2-sum-exp
+    # lse = m + log2(l) for the combine kernel.
+    @triton.jit
+    def _paged_decode_kernel(
+        out_ptr, partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+        cu_query_lens_ptr, context_lens_ptr,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh, stride_table, qk_scale, num_q_heads, num_splits, partition,
+        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        HEAD_DIM: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    ):
+        seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        token = tl.load(cu_query_lens_ptr + seq)
+        query_len = tl.load(cu_query_lens_ptr + seq + 1) - token
+        context_len = tl.load(context_lens_ptr + seq)
+        start = split * partition
+        if (query_len == 0) | (start >= context_len):
+            return
+        end = tl.minimum(start + partition, context_len)
+
+        rows = tl.arange(0, BLOCK_G)
+        head = kv_head * GROUP + rows
+        row_valid = rows < GROUP
+        offs_d = tl.arange(0, HEAD_DIM)
+        token = token.to(tl.int64)
+        q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_valid[:, None], other=0.0)
+        table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
+        k_base = k_cache_ptr + kv_head * stride_kh
+        v_base = v_cache_ptr + kv_head * stride_vh
+        m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+        for start_n in range(start, end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, m_i, start_n, end, table_ptr, k_base, v_base,
+                stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                BLOCK_N, BLOCK_SIZE, HEAD_DIM, CAUSAL=False, BOUNDED=True,
+            )
+        out = acc / l_i[:, None]
+        if SINGLE_SPLIT:
+            tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+        else:
+            part = (seq * num_q_heads + head).to(tl.int64) * num_splits + split
+            part_ptrs = partial_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
+            tl.store(part_ptrs, out, mask=row_valid[:, None])
+            tl.store(partial_lse_ptr + part, m_i + tl.log2(l_i), mask=row_valid)
+
+    # Decode pass 2: program (sequence, query head) merges the splits that held keys:
+    #   out = sum_s w_s * out_s / sum_s w_s,   w_s = exp2(lse_s - max_s lse_s)
+    @triton.jit
+    def _combine_splits_kernel(
+        out_ptr, partial_out_ptr, partial_lse_ptr, cu_query_lens_ptr, context_lens_ptr,
+        stride_ot, stride_oh, num_q_heads, num_splits, partition,
+        BLOCK_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ):
+        seq, head = tl.program_id(0), tl.program_id(1)
+        token = tl.load(cu_query_lens_ptr + seq)
+        query_len = tl.load(cu_query_lens_ptr + seq + 1) - token
+        context_len = tl.load(context_lens_ptr + seq)
+        if (query_len == 0) | (context_len <= 0):
+            return
+        splits = tl.arange(0, BLOCK_SPLITS)
+        used = (splits < num_splits) & (splits < tl.cdiv(context_len, partition))
+        part = (seq * num_q_heads + head).to(tl.int64) * num_splits + splits
+        lse = tl.load(partial_lse_ptr + part, mask=used, other=float("-inf"))
+        weight = tl.exp2(lse - tl.max(lse, axis=0))
+        offs_d = tl.arange(0, HEAD_DIM)
+        part_ptrs = partial_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
+        parts = tl.load(part_ptrs, mask=used[:, None], other=0.0)
+        out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+        tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+                 out.to(out_ptr.dtype.element_ty))
+
+
+def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """The GQA group size, after checking what the kernels assume about layouts."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"paged_attention_triton needs a power-of-two head_dim >= 16, got {head_dim}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"paged_attention_triton needs a power-of-two block_size, got {block_size}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads cannot share {num_kv_heads} KV heads evenly")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("paged_attention_triton needs each head's values contiguous in q and the KV cache")
+    return num_q_heads // num_kv_heads
+
+
+def _prefill_config(head_dim: int, group: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel on a Hopper-class GPU."""
+    if dtype == torch.float32:  # twice the bytes per element: smaller tiles fit in shared memory
+        return 64, 32, 4, 2
+    block_m = max(128, triton.next_power_of_2(group))
+    if head_dim <= 64:
+        return block_m, 64, 4, 3
+    return block_m, 64, 8, 2
+
+
+def paged_prefill_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    block_m: int | None = None, block_n: int | None = None,
+) -> torch.Tensor:
+    """The FlashAttention-2 path of paged_attention_triton, for any mix of query lengths. block_m and
+    block_n override the tile shape (tests use small tiles to exercise many tiles on tiny inputs)."""
+    group = _check_shapes(q, k_cache, v_cache)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    default_m, default_n, num_warps, num_stages = _prefill_config(q.shape[2], group, q.dtype)
+    block_m, block_n = block_m or default_m, block_n or default_n
+    if group > block_m:
+        raise ValueError(f"block_m={block_m} must hold at least the {group} query heads of one KV head")
+    if q.shape[0] == 0 or meta.max_query_len <= 0:
+        return out
+    grid = (triton.cdiv(meta.max_query_len, block_m // group), k_cache.shape[2], meta.num_seqs)
+    _paged_prefill_kernel[grid](
+        out, q, k_cache, v_cache, meta.block_tables, meta.cu_query_lens, meta.context_lens,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0), scale * _LOG2E,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=q.shape[2],
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+_DECODE_BLOCK_N = 64
+_DECODE_MIN_PARTITION = 256  # tokens: below this a split's fixed cost outweighs the parallelism it adds
+_DECODE_TARGET_PROGRAMS = 1024  # about 8 programs per SM of an H100/H200
+_DECODE_MAX_SPLITS = 64  # the combine kernel holds all splits of a head in registers
+
+
+def decode_partition(num_seqs: int, num_kv_heads: int, max_context_len: int) -> tuple[int, int]:
+    """(num_splits, partition_size) for flash-decoding, from Python ints only so that a CUDA graph
+    captured at a given max_context_len replays with the same grid: split each context until the
+    grid has about _DECODE_TARGET_PROGRAMS programs, but not into pieces under _DECODE_MIN_PARTITION."""
+    max_context_len = max(max_context_len, 1)
+    max_splits = triton.cdiv(max_context_len, _DECODE_MIN_PARTITION)
+    wanted = triton.cdiv(_DECODE_TARGET_PROGRAMS, max(num_seqs * num_kv_heads, 1))
+    num_splits = max(1, min(max_splits, wanted, _DECODE_MAX_SPLITS))
+    partition = triton.cdiv(triton.cdiv(max_context_len, num_splits), _DECODE_BLOCK_N) * _DECODE_BLOCK_N
+    return triton.cdiv(max_context_len, partition), partition
+
+
+def paged_decode_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """The flash-decoding path of paged_attention_triton (every sequence has query_len <= 1).
+    num_splits overrides the heuristic (tests force several splits on tiny contexts)."""
+    group = _check_shapes(q, k_cache, v_cache)
+    num_seqs, num_q_heads, num_kv_heads, head_dim = meta.num_seqs, q.shape[1], k_cache.shape[2], q.shape[2]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q.shape[0] == 0 or num_seqs == 0:
+        return out
+    if num_splits is None:
+        num_splits, partition = decode_partition(num_seqs, num_kv_heads, meta.max_context_len)
+    else:
+        partition = triton.cdiv(triton.cdiv(max(meta.max_context_len, 1), num_splits), _DECODE_BLOCK_N)
+        partition *= _DECODE_BLOCK_N
+    single = num_splits == 1
+    if single:
+        partial_out = partial_lse = out  # unused
+    else:
+        partial_out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32,
+                                  device=q.device)
+        partial_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        out, partial_out, partial_lse, q, k_cache, v_cache, meta.block_tables, meta.cu_query_lens,
+        meta.context_lens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0), scale * _LOG2E,
+        num_q_heads, num_splits, partition,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=_DECODE_BLOCK_N,
+        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, SINGLE_SPLIT=single,
+        num_warps=4, num_stages=3 if q.dtype != torch.float32 else 2,
+    )
+    if not single:
+        _combine_splits_kernel[(num_seqs, num_q_heads)](
+            out, partial_out, partial_lse, meta.cu_query_lens, meta.context_lens,
+            out.stride(0), out.stride(1), num_q_heads, num_splits, partition,
+            BLOCK_SPLITS=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, num_warps=4,
+        )
+    return out
+
+
+def paged_attention_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """The Triton kernels of paged_attention_ref: flash-decoding when every sequence adds one token,
+    FlashAttention-2 over the paged cache otherwise. Grids depend on Python ints only (no host syncs)."""
+    if meta.is_decode:
+        return paged_decode_triton(q, k_cache, v_cache, meta, scale)
+    return paged_prefill_triton(q, k_cache, v_cache, meta, scale)

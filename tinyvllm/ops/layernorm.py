@@ -1,0 +1,88 @@
+"""RMSNorm, alone and fused with the residual add that precedes it in every decoder layer."""
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU engine imports the reference on machines without Triton
+    triton = None
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 and returned in x's dtype."""
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+def fused_add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual' = x + residual; returns (rms_norm(residual'), residual'). The sum is rounded to x's dtype
+    before the norm, as transformers does, so that the residual stream matches it bit for bit."""
+    new_residual = (x.float() + residual.float()).to(x.dtype)
+    return rms_norm_ref(new_residual, weight, eps), new_residual
+
+
+if triton is not None:
+
+    # One program per row, the whole row in registers:
+    #   s = x + residual (rounded to x's dtype, stored as the new residual)   if HAS_RESIDUAL
+    #   y = s * rsqrt(mean(s^2) + eps) * weight                                in float32
+    @triton.jit
+    def _rms_norm_kernel(
+        out_ptr, new_residual_ptr, x_ptr, residual_ptr, weight_ptr,
+        hidden, stride_x, stride_residual, stride_out, stride_new_residual, eps,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < hidden
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+            tl.store(new_residual_ptr + row * stride_new_residual + cols, x, mask=mask)
+        x = x.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
+        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = x * inv_rms * weight
+        tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as [rows, hidden] with contiguous rows (a view when possible)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _launch_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, new_residual); without a residual the second is the first (the caller drops it)."""
+    hidden = x.shape[-1]
+    x2 = _rows(x)
+    res2 = _rows(residual) if residual is not None else x2
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    new_residual = torch.empty_like(out) if residual is not None else out
+    if x2.shape[0] > 0:
+        block = triton.next_power_of_2(hidden)
+        _rms_norm_kernel[(x2.shape[0],)](
+            out, new_residual, x2, res2, weight,
+            hidden, x2.stride(0), res2.stride(0), out.stride(0), new_residual.stride(0), eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
+        )
+    return out.reshape(x.shape), new_residual.reshape(x.shape)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Triton kernel of rms_norm_ref: one program per row, float32 inside."""
+    return _launch_rms_norm(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel of fused_add_rms_norm_ref: one pass reads x and residual, writes both outputs."""
+    return _launch_rms_norm(x, residual, weight, eps)
