@@ -39,6 +39,9 @@ class ModelRunner:
         self.sampler = Sampler(model_config.vocab_size, device)
         self.num_blocks = self._decide_num_blocks()
         self._allocate_kv_cache(self.num_blocks)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if device.type == "cuda" and not config.enforce_eager:
+            self.capture_cudagraphs()
 
     # ---- KV cache -------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -154,8 +157,61 @@ class ModelRunner:
     def execute(self, batch: SchedulerOutput) -> SamplerOutput:
         """Runs one step; returns the sampled token (and logprobs) of each sequence that gets one."""
         inputs = self.prepare(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        num_seqs = len(batch.seqs)
+        if inputs.meta.is_decode and self.graphs and num_seqs <= self.graph_batch_sizes[-1]:
+            hidden = self._replay_graph(inputs, num_seqs)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sampled_seqs:
             return SamplerOutput([], [], [])
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return self.sampler(logits, inputs.sampled_seqs)
+
+    # ---- CUDA graphs for decode -----------------------------------------------------------------------
+    # A decode step of a small model is tens of kernel launches per layer: on a slow host CPU, launching
+    # them costs more than running them. Each batch size of a ladder gets a graph captured once, over
+    # persistent input buffers; a step copies its inputs into the buffers (padding rows write nowhere:
+    # slot -1, context 0) and replays the graph of the next size up.
+    @torch.inference_mode()
+    def capture_cudagraphs(self) -> None:
+        max_bs = min(self.config.max_num_seqs, 512)
+        self.graph_batch_sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16)) + [max_bs]
+        self.graph_batch_sizes = sorted(set(self.graph_batch_sizes))
+        device = self.device
+        self.graph_buffers = dict(
+            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=device),
+            positions=torch.zeros(max_bs, dtype=torch.int64, device=device),
+            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int64, device=device),
+            context_lens=torch.zeros(max_bs, dtype=torch.int32, device=device),
+            block_tables=torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=device),
+            cu_query_lens=torch.arange(max_bs + 1, dtype=torch.int32, device=device),
+        )
+        b = self.graph_buffers
+        self.graph_outputs = torch.zeros(max_bs, self.model_config.hidden_size, dtype=self.dtype, device=device)
+        pool = None
+        for bs in reversed(self.graph_batch_sizes):
+            meta = AttentionMetadata(b["cu_query_lens"][: bs + 1], b["context_lens"][:bs], b["block_tables"][:bs],
+                                     b["slot_mapping"][:bs], max_query_len=1,
+                                     max_context_len=self.max_blocks_per_seq * self.block_size)
+            args = (b["input_ids"][:bs], b["positions"][:bs], meta)
+            self.graph_outputs[:bs] = self.model(*args)  # warm-up: compiles the kernels outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.graph_outputs[:bs] = self.model(*args)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def _replay_graph(self, inputs: ModelInput, num_seqs: int) -> torch.Tensor:
+        bs = next(b for b in self.graph_batch_sizes if b >= num_seqs)
+        b = self.graph_buffers
+        meta = inputs.meta
+        b["input_ids"][:num_seqs] = inputs.input_ids
+        b["positions"][:num_seqs] = inputs.positions
+        b["slot_mapping"][:num_seqs] = meta.slot_mapping
+        b["slot_mapping"][num_seqs:bs] = -1
+        b["context_lens"][:num_seqs] = meta.context_lens
+        b["context_lens"][num_seqs:bs] = 0
+        b["block_tables"][:num_seqs, : meta.block_tables.shape[1]] = meta.block_tables
+        self.graphs[bs].replay()
+        return self.graph_outputs[:num_seqs]

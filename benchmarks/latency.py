@@ -1,0 +1,84 @@
+"""latency-b1 (shared/BENCHMARKS.md): batch 1, 128-token prompt, 256 greedy tokens, ignore_eos.
+
+Ours against transformers on the same model in the same run: `generate` with a static cache (its
+decode step compiled, CUDA graphs) after a warm-up, and eager `generate` on a shorter run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from common import commit, gpu_name, random_llama_1b
+
+FLOOR_MS = 0.594  # batch-1 decode floor for the 1B model: weights / copy bandwidth (BENCHMARKS.md)
+
+
+def hf_latency(path: str, prompt: list[int], output_len: int, static: bool) -> dict[str, float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.tensor([prompt], device="cuda")
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    if static:
+        kwargs["cache_implementation"] = "static"
+
+    def timed(n: int) -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+        torch.cuda.synchronize()
+        assert out.shape[1] == len(prompt) + n
+        return time.perf_counter() - t
+
+    timed(output_len if static else 4)  # warm-up (compiles the static-cache decode step)
+    ttft = timed(1)
+    total = timed(output_len)
+    return {"ttft_ms": ttft * 1e3, "tpot_ms": (total - ttft) / (output_len - 1) * 1e3}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None, help="default: the random-weight Llama-3.2-1B shape")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    path = args.model or random_llama_1b()
+
+    from tinyvllm import LLM
+    from tinyvllm.bench import run_latency
+
+    llm = LLM(path, skip_tokenizer_init=True, enforce_eager=args.enforce_eager, max_model_len=4096,
+              gpu_memory_utilization=0.5)
+    ours = run_latency(llm, args.prompt_len, args.output_len)
+    prompt = list(range(1000, 1000 + args.prompt_len))
+    del llm
+    result = {"commit": commit(), "gpu": gpu_name(), "ours": ours}
+    print(f"latency-b1 on {result['gpu']} at {result['commit']} ({args.prompt_len} prompt, {args.output_len} output)")
+    print(f"  tinyvllm{' (eager)' if args.enforce_eager else ''}: TTFT {ours['ttft_ms']:.2f} ms, "
+          f"TPOT median {ours['tpot_ms_median']:.3f} ms ({ours['tok_per_s']:.0f} tok/s), "
+          f"{FLOOR_MS / ours['tpot_ms_median']:.0%} of the {FLOOR_MS} ms bandwidth floor")
+    if not args.no_peer:
+        for name, static, n in (("transformers static cache (compiled)", True, args.output_len),
+                                ("transformers eager", False, 32)):
+            try:
+                peer = hf_latency(path, prompt, n, static)
+            except Exception as e:  # report, do not hide, a peer that fails
+                print(f"  {name}: failed: {type(e).__name__}: {e}")
+                continue
+            result[name] = peer
+            print(f"  {name}: TTFT {peer['ttft_ms']:.2f} ms, TPOT {peer['tpot_ms']:.3f} ms "
+                  f"({1e3 / peer['tpot_ms']:.0f} tok/s{'' if n == args.output_len else f', {n} tokens'}); "
+                  f"tinyvllm is {peer['tpot_ms'] / ours['tpot_ms_median']:.1f}x faster per token")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

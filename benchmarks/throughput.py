@@ -1,0 +1,90 @@
+"""throughput-256 and static-vs-continuous (shared/BENCHMARKS.md): nano-vllm's bench.py workload.
+
+Ours (continuous and static scheduling) against transformers' continuous batching `generate_batch`
+on the same model in the same run (on a shorter workload, said in the output: it is ~30x slower)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from common import commit, gpu_name, random_llama_1b
+
+SPEED_OF_LIGHT = 70_700  # output tok/s, BENCHMARKS.md
+
+
+def hf_throughput(path: str, prompts: list[list[int]], max_new_tokens: int) -> dict[str, float]:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa_paged")
+    model = model.cuda().eval()
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    model.generate_batch(inputs=prompts[:2], generation_config=config)  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    results = model.generate_batch(inputs=prompts, generation_config=config)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    generated = sum(len(r.generated_tokens) for r in results.values())
+    return {"output_tokens": generated, "seconds": seconds, "output_tok_per_s": generated / seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None, help="default: the random-weight Llama-3.2-1B shape")
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--peer-prompts", type=int, default=64)
+    parser.add_argument("--peer-max-tokens", type=int, default=128)
+    parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--no-static", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    path = args.model or random_llama_1b()
+
+    import torch
+
+    from tinyvllm import LLM
+    from tinyvllm.bench import run_throughput, throughput_workload
+
+    prompts, params = throughput_workload(args.num_prompts)
+    result = {"commit": commit(), "gpu": gpu_name()}
+    print(f"throughput-{args.num_prompts} on {result['gpu']} at {result['commit']}: "
+          f"{sum(map(len, prompts))} prompt tokens, {sum(p.max_tokens for p in params)} output tokens")
+    for scheduling in ("continuous",) + (() if args.no_static else ("static",)):
+        llm = LLM(path, skip_tokenizer_init=True, scheduling=scheduling, enforce_eager=args.enforce_eager,
+                  max_model_len=4096)
+        r = run_throughput(llm, prompts, params)
+        r["num_kv_blocks"] = llm.llm_engine.block_manager.num_blocks
+        result[scheduling] = r
+        print(f"  tinyvllm {scheduling}: {r['output_tok_per_s']:,.0f} output tok/s ({r['seconds']:.1f} s, "
+              f"{r['preemptions']} preemptions), {r['output_tok_per_s'] / SPEED_OF_LIGHT:.0%} of the "
+              f"~{SPEED_OF_LIGHT:,} tok/s speed of light")
+        del llm
+        torch.cuda.empty_cache()
+    if "static" in result:
+        ratio = result["continuous"]["output_tok_per_s"] / result["static"]["output_tok_per_s"]
+        print(f"  continuous / static: {ratio:.2f}x")
+    if not args.no_peer:
+        short = prompts[: args.peer_prompts]
+        try:
+            peer = hf_throughput(path, short, args.peer_max_tokens)
+            result["transformers_generate_batch"] = peer
+            llm = LLM(path, skip_tokenizer_init=True, max_model_len=4096)
+            same = run_throughput(llm, short, [type(params[0])(temperature=0, ignore_eos=True,
+                                                              max_tokens=args.peer_max_tokens)] * len(short))
+            result["ours_on_peer_workload"] = same
+            print(f"  on a shorter workload ({len(short)} prompts, {args.peer_max_tokens} tokens each, greedy): "
+                  f"transformers generate_batch {peer['output_tok_per_s']:,.0f} tok/s, tinyvllm "
+                  f"{same['output_tok_per_s']:,.0f} tok/s: {same['output_tok_per_s'] / peer['output_tok_per_s']:.1f}x")
+        except Exception as e:
+            print(f"  transformers generate_batch failed: {type(e).__name__}: {e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

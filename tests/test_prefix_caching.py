@@ -1,0 +1,137 @@
+"""Automatic prefix caching: shared prefixes are computed once, outputs do not change, nothing leaks."""
+
+import random
+
+import pytest
+
+from tests.utils import save_tiny_llama
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.engine.block_manager import BlockManager
+from tinyvllm.engine.sequence import Sequence
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_tiny_llama(str(tmp_path_factory.mktemp("tiny")), seed=5)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(2)
+    system = [rng.randrange(2, 256) for _ in range(70)]
+    shared = [system + [rng.randrange(2, 256) for _ in range(rng.randint(1, 40))] for _ in range(8)]
+    return {
+        "shared": shared,
+        "prefix_of_another": [system[:48], system[:48] + [9, 8, 7]],  # 48 = three full blocks
+        "exact_blocks": [system[:64]],
+    }
+
+
+def make(checkpoint, caching, **kwargs):
+    kwargs.setdefault("num_kv_blocks", 128)
+    return LLM(checkpoint, skip_tokenizer_init=True, device="cpu", enable_prefix_caching=caching, **kwargs)
+
+
+def tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_outputs_identical_with_and_without_caching(checkpoint, prompts):
+    plain, cached = make(checkpoint, False), make(checkpoint, True)
+    for group in prompts.values():
+        expected = tokens(plain.generate(group, GREEDY, use_tqdm=False))
+        assert tokens(cached.generate(group, GREEDY, use_tqdm=False)) == expected  # together
+        for prompt, want in zip(group, expected):  # one after another, now mostly cached
+            assert tokens(cached.generate([prompt], GREEDY, use_tqdm=False)) == [want]
+    cached.llm_engine.block_manager.check_whole()
+    assert plain.llm_engine.get_stats()["prefix_cache_hits"] == 0
+
+
+def test_hits_are_counted_and_only_uncached_tokens_are_prefilled(checkpoint, prompts):
+    llm = make(checkpoint, True)
+    engine = llm.llm_engine
+    first = prompts["shared"][0]
+    llm.generate([first], GREEDY, use_tqdm=False)
+    before = engine.get_stats()
+    second = prompts["shared"][1]
+    out = llm.generate([second], GREEDY, use_tqdm=False)[0]
+    after = engine.get_stats()
+    hit = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    assert hit == 64  # the 70-token system prompt holds four full blocks of 16
+    assert out.num_cached_tokens == 64
+    assert after["prefix_cache_queries"] - before["prefix_cache_queries"] == len(second)
+    assert after["prompt_tokens"] - before["prompt_tokens"] == len(second) - 64
+
+
+def test_fully_cached_prompt_recomputes_its_last_token(checkpoint, prompts):
+    llm = make(checkpoint, True)
+    prompt = prompts["exact_blocks"][0]
+    first = tokens(llm.generate([prompt], GREEDY, use_tqdm=False))
+    before = llm.llm_engine.get_stats()
+    again = llm.generate([prompt], GREEDY, use_tqdm=False)
+    after = llm.llm_engine.get_stats()
+    assert tokens(again) == first
+    assert again[0].num_cached_tokens == 48  # the last block is recomputed for its final token's logits
+    assert after["prompt_tokens"] - before["prompt_tokens"] == 16
+
+
+def test_eviction_and_preemption_with_a_small_pool(checkpoint, prompts):
+    group = prompts["shared"] + prompts["prefix_of_another"]
+    expected = tokens(make(checkpoint, False).generate(group, GREEDY, use_tqdm=False))
+    llm = make(checkpoint, True, num_kv_blocks=14, max_num_batched_tokens=64)
+    for _ in range(2):
+        assert tokens(llm.generate(group, GREEDY, use_tqdm=False)) == expected
+    engine = llm.llm_engine
+    assert engine.scheduler.num_preemptions >= 1
+    engine.block_manager.check_whole()
+
+
+def test_n_and_abort_with_shared_blocks(checkpoint, prompts):
+    llm = make(checkpoint, True)
+    engine = llm.llm_engine
+    prompt = prompts["shared"][0]
+    params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=10, ignore_eos=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert len(out.outputs) == 3
+    engine.add_request("a", prompt, GREEDY)
+    engine.add_request("b", prompt, params)
+    engine.step()
+    engine.step()
+    assert engine.abort_request("a") and engine.abort_request("b")
+    assert not engine.has_unfinished_requests()
+    engine.block_manager.check_whole()
+
+
+def test_hash_collision_does_not_share_blocks():
+    manager = BlockManager(num_blocks=8, block_size=4)
+    params = SamplingParams()
+    a = Sequence(0, "a", 0, [1, 2, 3, 4, 5], params, 0, 0.0)
+    assert manager.allocate(a, 5)
+    a.num_computed_tokens = 5
+    manager.cache_computed_blocks(a)
+    b = Sequence(1, "b", 0, [9, 9, 9, 9, 5], params, 0, 0.0)
+    b.block_hashes = list(a.block_hashes)  # forge a collision: same hash, other tokens
+    assert manager.find_cached_prefix(b) == []
+    c = Sequence(2, "c", 0, [1, 2, 3, 4, 7], params, 0, 0.0)
+    assert manager.find_cached_prefix(c) == [a.block_table[0]]
+
+
+def test_lru_eviction_keeps_recently_used_blocks():
+    manager = BlockManager(num_blocks=4, block_size=2)
+    params = SamplingParams()
+    seqs = []
+    for i, toks in enumerate(([1, 1, 1], [2, 2, 2])):
+        s = Sequence(i, str(i), 0, toks, params, 0, 0.0)
+        assert manager.allocate(s, 3)
+        s.num_computed_tokens = 3
+        manager.cache_computed_blocks(s)
+        manager.free(s)
+        seqs.append(s)
+    # both first blocks are cached; a sequence needing 3 fresh blocks must evict the older ones first
+    big = Sequence(5, "x", 0, [7, 7, 7, 7, 7, 7], params, 0, 0.0)
+    assert manager.allocate(big, 6)
+    again = Sequence(6, "y", 0, [2, 2, 2], params, 0, 0.0)
+    assert len(manager.find_cached_prefix(again)) == 1  # [2, 2] survived, [1, 1] was evicted
+    assert manager.find_cached_prefix(Sequence(7, "z", 0, [1, 1, 1], params, 0, 0.0)) == []

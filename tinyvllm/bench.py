@@ -1,0 +1,71 @@
+"""The latency and throughput workloads of shared/BENCHMARKS.md, for `tinyvllm bench` and benchmarks/."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Any
+
+from tinyvllm.sampling_params import SamplingParams
+
+
+def _sync(llm: Any) -> None:
+    if llm.llm_engine.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def run_latency(llm: Any, prompt_len: int = 128, output_len: int = 256, seed: int = 0) -> dict[str, float]:
+    """latency-b1: one request, greedy; time to first token and the median time per output token
+    (each engine step ends by reading the sampled token on the host, so step times are real)."""
+    engine = llm.llm_engine
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    prompt = [rng.randrange(min(vocab, 10000)) for _ in range(prompt_len)]
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)  # warm-up
+    engine.add_request("latency", prompt, params, output_kind="final_only")
+    _sync(llm)
+    step_times = []
+    start = last = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        now = time.perf_counter()
+        step_times.append(now - last)
+        last = now
+    total = last - start
+    decode = step_times[1:]
+    return {
+        "ttft_ms": step_times[0] * 1e3,
+        "tpot_ms_median": statistics.median(decode) * 1e3,
+        "tpot_ms_mean": statistics.mean(decode) * 1e3,
+        "tok_per_s": 1.0 / statistics.median(decode),
+        "total_s": total,
+    }
+
+
+def throughput_workload(num_prompts: int = 256, min_input: int = 100, max_input: int = 1024,
+                        min_output: int = 100, max_output: int = 1024, seed: int = 0,
+                        temperature: float = 0.6) -> tuple[list[list[int]], list[SamplingParams]]:
+    """nano-vllm's bench.py: random token prompts and random output lengths, ignore_eos."""
+    random.seed(seed)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(min_input, max_input))]
+               for _ in range(num_prompts)]
+    params = [SamplingParams(temperature=temperature, ignore_eos=True,
+                             max_tokens=random.randint(min_output, max_output)) for _ in range(num_prompts)]
+    return prompts, params
+
+
+def run_throughput(llm: Any, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, float]:
+    llm.generate(prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
+    _sync(llm)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    _sync(llm)
+    seconds = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"output_tokens": generated, "prompt_tokens": sum(map(len, prompts)), "seconds": seconds,
+            "output_tok_per_s": generated / seconds,
+            "preemptions": llm.llm_engine.scheduler.num_preemptions}
