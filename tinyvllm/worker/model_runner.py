@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tinyvllm import ops
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.scheduler import SchedulerOutput
 from tinyvllm.engine.sequence import Sequence
@@ -40,8 +41,8 @@ class ModelRunner:
         self.num_blocks = self._decide_num_blocks()
         self._allocate_kv_cache(self.num_blocks)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if device.type == "cuda" and not config.enforce_eager:
-            self.capture_cudagraphs()
+        if device.type == "cuda" and not config.enforce_eager and ops.triton_available():
+            self.capture_cudagraphs()  # (the reference ops synchronize with the host: not capturable)
 
     # ---- KV cache -------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:

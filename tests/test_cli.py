@@ -1,0 +1,50 @@
+"""The `tinyvllm` command on the embedded model, as a new user runs it."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tinyvllm(*args, stdin=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "tinyvllm.cli", *args], input=stdin, capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.slow
+def test_generate_with_the_embedded_model():
+    proc = tinyvllm("generate", "What is the capital of France?", "--max-tokens", "24")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+
+
+def test_chat_keeps_the_history(tiny_text_checkpoint, tiny_text_llm):
+    proc = tinyvllm("chat", "--model", tiny_text_checkpoint, "--max-tokens", "8",
+                    stdin="My name is Alice.\nWhat is my name?\n/exit\n")
+    assert proc.returncode == 0, proc.stderr
+    # The second answer is what the model says given the whole conversation so far.
+    from tinyvllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=8)
+    conversation = [{"role": "user", "content": "My name is Alice."}]
+    first = tiny_text_llm.chat(conversation, params, use_tqdm=False)[0].outputs[0].text
+    conversation += [{"role": "assistant", "content": first}, {"role": "user", "content": "What is my name?"}]
+    second = tiny_text_llm.chat(conversation, params, use_tqdm=False)[0].outputs[0].text
+    assert proc.stdout == f"{first}\n{second}\n"
+
+
+def test_generate_raw_prompt_on_a_small_model(tiny_text_checkpoint):
+    proc = tinyvllm("generate", "Hello", "--no-chat", "--model", tiny_text_checkpoint, "--max-tokens", "5",
+                    "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--seed", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+
+
+def test_bad_arguments_give_a_clear_error(tiny_text_checkpoint):
+    proc = tinyvllm("generate", "Hello", "--model", tiny_text_checkpoint, "--temperature", "-1")
+    assert proc.returncode == 2 and "temperature" in proc.stderr
+    proc = tinyvllm("generate", "Hello", "--model", "/no/such/dir")
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
