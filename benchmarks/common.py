@@ -33,6 +33,9 @@ def random_llama_1b(path: str = "/tmp/llama-1b-random") -> str:
 
 
 def commit() -> str:
+    """The commit measured (TINYVLLM_COMMIT where the tree travelled without its .git)."""
+    if os.environ.get("TINYVLLM_COMMIT"):
+        return os.environ["TINYVLLM_COMMIT"]
     try:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True).strip()

@@ -39,6 +39,63 @@ def hf_latency(path: str, prompt: list[int], output_len: int, static: bool) -> d
     return {"ttft_ms": ttft * 1e3, "tpot_ms": (total - ttft) / (output_len - 1) * 1e3}
 
 
+def step_breakdown(llm, prompt_len: int, output_len: int) -> dict[str, float]:
+    """Where a decode step's time goes: host time in each phase of LLMEngine.step (wrapped timers), and
+    the GPU time of one decode graph replay and of the LM head + argmax (CUDA events)."""
+    import torch
+
+    from tinyvllm import SamplingParams
+
+    engine = llm.llm_engine
+    runner = engine.model_runner
+    totals: dict[str, float] = {}
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                totals[name] = totals.get(name, 0.0) + time.perf_counter() - t
+        return wrapper
+
+    originals = (engine.scheduler.schedule, runner.prepare, runner.sampler.__call__, engine.scheduler.update)
+    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+    runner.prepare = timed("prepare (host lists -> device)", runner.prepare)
+    sampler = runner.sampler
+    runner.sampler = timed("sample + read token (waits for the GPU)", sampler)
+    engine.scheduler.update = timed("scheduler update", engine.scheduler.update)
+    prompt = list(range(100, 100 + prompt_len))
+    engine.add_request("breakdown", prompt, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+    steps = 0
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    wall = time.perf_counter() - t0
+    engine.scheduler.schedule, runner.prepare, _, engine.scheduler.update = originals
+    runner.sampler = sampler
+    result = {name: v / steps * 1e3 for name, v in totals.items()}
+    result["whole step"] = wall / steps * 1e3
+    if runner.graphs:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(100):
+            runner.graphs[1].replay()
+        end.record()
+        torch.cuda.synchronize()
+        result["GPU: decode graph replay (16 layers)"] = start.elapsed_time(end) / 100
+        hidden = runner.graph_outputs[:1]
+        start.record()
+        for _ in range(100):
+            runner.model.compute_logits(hidden).argmax(-1)
+        end.record()
+        torch.cuda.synchronize()
+        result["GPU: LM head + argmax"] = start.elapsed_time(end) / 100
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None, help="default: the random-weight Llama-3.2-1B shape")
@@ -56,13 +113,17 @@ def main() -> None:
     llm = LLM(path, skip_tokenizer_init=True, enforce_eager=args.enforce_eager, max_model_len=4096,
               gpu_memory_utilization=0.5)
     ours = run_latency(llm, args.prompt_len, args.output_len)
+    breakdown = step_breakdown(llm, args.prompt_len, args.output_len)
     prompt = list(range(1000, 1000 + args.prompt_len))
     del llm
-    result = {"commit": commit(), "gpu": gpu_name(), "ours": ours}
+    result = {"commit": commit(), "gpu": gpu_name(), "ours": ours, "step_breakdown_ms": breakdown}
     print(f"latency-b1 on {result['gpu']} at {result['commit']} ({args.prompt_len} prompt, {args.output_len} output)")
     print(f"  tinyvllm{' (eager)' if args.enforce_eager else ''}: TTFT {ours['ttft_ms']:.2f} ms, "
           f"TPOT median {ours['tpot_ms_median']:.3f} ms ({ours['tok_per_s']:.0f} tok/s), "
           f"{FLOOR_MS / ours['tpot_ms_median']:.0%} of the {FLOOR_MS} ms bandwidth floor")
+    print("  where a decode step's time goes (ms per step, host phases overlap nothing yet):")
+    for name, ms in breakdown.items():
+        print(f"    {name:<42} {ms:7.3f}")
     if not args.no_peer:
         for name, static, n in (("transformers static cache (compiled)", True, args.output_len),
                                 ("transformers eager", False, 32)):

@@ -18,7 +18,7 @@ def hf_throughput(path: str, prompts: list[list[int]], max_new_tokens: int) -> d
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa_paged")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="paged|sdpa")
     model = model.cuda().eval()
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     model.generate_batch(inputs=prompts[:2], generation_config=config)  # warm-up

@@ -41,6 +41,8 @@ class ModelRunner:
         self.num_blocks = self._decide_num_blocks()
         self._allocate_kv_cache(self.num_blocks)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._staging = torch.empty(0, dtype=torch.int64)
+        self._staging_np = self._staging.numpy()
         if device.type == "cuda" and not config.enforce_eager and ops.triton_available():
             self.capture_cudagraphs()  # (the reference ops synchronize with the host: not capturable)
 
@@ -137,22 +139,30 @@ class ModelRunner:
                 logits_indices.append(cu_query_lens[-1] - 1)
                 sampled.append(seq)
         max_blocks = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
-
-        def tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(
-                self.device, non_blocking=True)
-
+        tables = [x for s in batch.seqs for x in s.block_table + [0] * (max_blocks - len(s.block_table))]
+        parts = (input_ids, positions, slots, logits_indices, cu_query_lens, context_lens, tables)
+        input_ids_t, positions_t, slots_t, logits_t, cu_t, context_t, tables_t = self._to_device(parts)
         meta = AttentionMetadata(
-            cu_query_lens=tensor(cu_query_lens, torch.int32),
-            context_lens=tensor(context_lens, torch.int32),
-            block_tables=tensor(tables, torch.int32),
-            slot_mapping=tensor(slots, torch.int64),
-            max_query_len=max(batch.num_new_tokens),
-            max_context_len=max(context_lens),
-        )
-        return ModelInput(tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta,
-                          tensor(logits_indices, torch.int64), sampled)
+            cu_query_lens=cu_t, context_lens=context_t, block_tables=tables_t.view(len(batch.seqs), max_blocks),
+            slot_mapping=slots_t, max_query_len=max(batch.num_new_tokens), max_context_len=max(context_lens))
+        return ModelInput(input_ids_t, positions_t, meta, logits_t, sampled)
+
+    def _to_device(self, parts: tuple[list[int], ...]) -> list[torch.Tensor]:
+        """All of a step's index arrays in one host-to-device copy, through a pinned staging buffer that
+        lives as long as the runner (allocating pinned memory per step costs more than the copy). The
+        step's sampled tokens are read back before the next step writes the buffer, so reuse is safe."""
+        sizes = [len(p) for p in parts]
+        total = sum(sizes)
+        if self.device.type != "cuda":
+            return list(torch.tensor([x for p in parts for x in p], dtype=torch.int64).split(sizes))
+        if self._staging.numel() < total:
+            self._staging = torch.empty(max(total, 2 * self._staging.numel()), dtype=torch.int64, pin_memory=True)
+            self._staging_np = self._staging.numpy()
+        offset = 0
+        for part, size in zip(parts, sizes):
+            self._staging_np[offset:offset + size] = part
+            offset += size
+        return list(self._staging[:total].to(self.device, non_blocking=True).split(sizes))
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> SamplerOutput:
