@@ -21,9 +21,9 @@ class AttentionMetadata:
     Sequence i owns new tokens cu_query_lens[i]:cu_query_lens[i+1], at positions
     context_lens[i] - query_len ... context_lens[i] - 1; its keys are in blocks block_tables[i, :]."""
 
-    cu_query_lens: torch.Tensor  # [B + 1] int32
-    context_lens: torch.Tensor  # [B] int32, tokens in the cache after this step (cached + new)
-    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, unused entries are 0
+    cu_query_lens: torch.Tensor  # [B + 1] int32 or int64 (the runner stages every index array as int64)
+    context_lens: torch.Tensor  # [B], tokens in the cache after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq], unused entries are 0
     slot_mapping: torch.Tensor  # [T] int64, -1 for padding tokens
     max_query_len: int
     max_context_len: int
@@ -77,6 +77,15 @@ _LOG2E = math.log2(math.e)
 
 if triton is not None:
 
+    # a @ b with float32 accumulation; float32 operands use exact IEEE products (not TF32), so the float32
+    # kernels match the reference to ~1e-6; half-precision operands use the tensor cores as usual.
+    @triton.jit
+    def _dot(a, b):
+        if a.dtype == tl.float32:
+            return tl.dot(a, b, input_precision="ieee")
+        else:
+            return tl.dot(a, b)
+
     # One step of the online softmax over the keys start_n .. start_n + BLOCK_N of one sequence:
     #   s = (q @ K^T) * scale*log2(e), masked;  m' = max(m, rowmax(s));  p = exp2(s - m')
     #   l' = l * exp2(m - m') + rowsum(p);      acc' = acc * exp2(m - m') + p @ V
@@ -103,9 +112,9 @@ if triton is not None:
             k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        s = _dot(q, tl.trans(k)) * qk_scale
         if CAUSAL:
-            s = tl.where(offs_n[None, :] < q_pos[:, None], s, float("-inf"))
+            s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
         elif BOUNDED:
             s = tl.where(in_range[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -116,14 +125,14 @@ if triton is not None:
             v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
         else:
             v = tl.load(v_ptrs)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)
         return acc, m_new, l_i
 
-    # Prefill (FlashAttention-2): program (query tile, kv head, sequence). The tile holds BLOCK_Q = BLOCK_M
+    # Prefill (FlashAttention-2): program (kv head, sequence, query tile). The tile holds BLOCK_Q = BLOCK_M
     # // GROUP query tokens times the GROUP heads of this KV head; token j of the sequence sits at position
     # context_len - query_len + j. Keys below the tile's first position are visible to every row (unmasked
     # loop); the diagonal band up to its last position is masked causally; keys beyond it are skipped.
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_table"])  # varies from step to step: compile once
     def _paged_prefill_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_query_lens_ptr, context_lens_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
@@ -132,7 +141,8 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     ):
         BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
-        tile, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        kv_head, seq = tl.program_id(0), tl.program_id(1)
+        tile = tl.num_programs(2) - 1 - tl.program_id(2)  # the last tiles (the most keys) start first
         seq_start = tl.load(cu_query_lens_ptr + seq)
         query_len = tl.load(cu_query_lens_ptr + seq + 1) - seq_start
         q_start = tile * BLOCK_Q
@@ -175,16 +185,25 @@ if triton is not None:
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
+    # The keys of one decode split: each sequence cuts its own context into num_splits pieces of
+    #   partition = max(roundup(cdiv(context_len, num_splits), BLOCK_N), min_partition)
+    # tokens (the last pieces may be empty), so that short and long sequences alike use the grid, and a
+    # grid sized for the longest context (a CUDA graph's) still spreads a shorter one over its splits.
+    @triton.jit
+    def _split_partition(context_len, num_splits, min_partition, BLOCK_N: tl.constexpr):
+        return tl.maximum(tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N, min_partition)
+
     # Decode (flash-decoding), pass 1: program (sequence, kv head, split) attends the GROUP query heads of
     # its single new token to keys split*partition .. min((split+1)*partition, context_len). With one
     # split it writes the output; otherwise it writes the partial result acc/l and its log2-sum-exp
-    # lse = m + log2(l) for the combine kernel.
-    @triton.jit
+    # lse = m + log2(l) for the combine kernel. A sequence without keys (a CUDA graph's padding row,
+    # context 0) gets zeros, as in the reference.
+    @triton.jit(do_not_specialize=["stride_table", "num_splits"])
     def _paged_decode_kernel(
         out_ptr, partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
         cu_query_lens_ptr, context_lens_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
-        stride_vb, stride_vs, stride_vh, stride_table, qk_scale, num_q_heads, num_splits, partition,
+        stride_vb, stride_vs, stride_vh, stride_table, qk_scale, num_q_heads, num_splits, min_partition,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     ):
@@ -192,16 +211,22 @@ if triton is not None:
         token = tl.load(cu_query_lens_ptr + seq)
         query_len = tl.load(cu_query_lens_ptr + seq + 1) - token
         context_len = tl.load(context_lens_ptr + seq)
-        start = split * partition
-        if (query_len == 0) | (start >= context_len):
-            return
-        end = tl.minimum(start + partition, context_len)
-
         rows = tl.arange(0, BLOCK_G)
         head = kv_head * GROUP + rows
         row_valid = rows < GROUP
         offs_d = tl.arange(0, HEAD_DIM)
         token = token.to(tl.int64)
+        out_ptrs = out_ptr + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        if SINGLE_SPLIT:  # with several splits the combine kernel writes the zeros
+            if (context_len <= 0) & (query_len > 0):
+                zeros = tl.zeros([BLOCK_G, HEAD_DIM], dtype=out_ptr.dtype.element_ty)
+                tl.store(out_ptrs, zeros, mask=row_valid[:, None])
+        partition = _split_partition(context_len, num_splits, min_partition, BLOCK_N)
+        start = split * partition
+        if (query_len == 0) | (start >= context_len):
+            return
+        end = tl.minimum(start + partition, context_len)
+
         q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=row_valid[:, None], other=0.0)
         table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
@@ -218,8 +243,7 @@ if triton is not None:
             )
         out = acc / l_i[:, None]
         if SINGLE_SPLIT:
-            tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
         else:
             part = (seq * num_q_heads + head).to(tl.int64) * num_splits + split
             part_ptrs = partial_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
@@ -228,29 +252,33 @@ if triton is not None:
 
     # Decode pass 2: program (sequence, query head) merges the splits that held keys:
     #   out = sum_s w_s * out_s / sum_s w_s,   w_s = exp2(lse_s - max_s lse_s)
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits"])
     def _combine_splits_kernel(
         out_ptr, partial_out_ptr, partial_lse_ptr, cu_query_lens_ptr, context_lens_ptr,
-        stride_ot, stride_oh, num_q_heads, num_splits, partition,
-        BLOCK_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        stride_ot, stride_oh, num_q_heads, num_splits, min_partition,
+        BLOCK_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     ):
         seq, head = tl.program_id(0), tl.program_id(1)
         token = tl.load(cu_query_lens_ptr + seq)
         query_len = tl.load(cu_query_lens_ptr + seq + 1) - token
         context_len = tl.load(context_lens_ptr + seq)
-        if (query_len == 0) | (context_len <= 0):
+        offs_d = tl.arange(0, HEAD_DIM)
+        out_ptrs = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d
+        if query_len == 0:
+            return
+        if context_len <= 0:
+            tl.store(out_ptrs, tl.zeros([HEAD_DIM], dtype=out_ptr.dtype.element_ty))
             return
         splits = tl.arange(0, BLOCK_SPLITS)
+        partition = _split_partition(context_len, num_splits, min_partition, BLOCK_N)
         used = (splits < num_splits) & (splits < tl.cdiv(context_len, partition))
         part = (seq * num_q_heads + head).to(tl.int64) * num_splits + splits
         lse = tl.load(partial_lse_ptr + part, mask=used, other=float("-inf"))
         weight = tl.exp2(lse - tl.max(lse, axis=0))
-        offs_d = tl.arange(0, HEAD_DIM)
         part_ptrs = partial_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
         parts = tl.load(part_ptrs, mask=used[:, None], other=0.0)
         out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(weight, axis=0)
-        tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
-                 out.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
 
 
 def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
@@ -268,31 +296,41 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
     return num_q_heads // num_kv_heads
 
 
-def _prefill_config(head_dim: int, group: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel on a Hopper-class GPU."""
-    if dtype == torch.float32:  # twice the bytes per element: smaller tiles fit in shared memory
-        return 64, 32, 4, 2
-    block_m = max(128, triton.next_power_of_2(group))
-    if head_dim <= 64:
-        return block_m, 64, 4, 3
-    return block_m, 64, 8, 2
+# Launch configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages) for prefill, (BLOCK_N, num_warps,
+# num_stages) for decode. Fixed heuristics, no autotuning (the interpreter cannot autotune, and decode
+# must launch identically inside CUDA graphs); benchmarks/kernels.py --sweep times the alternatives.
+PrefillConfig = tuple[int, int, int, int]
+DecodeConfig = tuple[int, int, int]
+
+
+def prefill_config(head_dim: int, group: int, dtype: torch.dtype) -> PrefillConfig:
+    """The prefill tile for a Hopper-class GPU: 128 (query, head) rows x 64 keys, two warpgroups. For
+    bf16 on sm_90 (Triton 3.9) it compiles to wgmma without spills: head_dim 64 uses 122 registers and
+    48 KiB of shared memory, head_dim 128 uses 177 registers and 96 KiB."""
+    if dtype == torch.float32:  # no tensor cores for exact float32 products: small tiles, few registers
+        return max(32, triton.next_power_of_2(group)), 32, 4, 1
+    return max(128, triton.next_power_of_2(group)), 64, 8, 3
+
+
+def decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+    """The decode tile: 64 keys per step; decode is bound by reading K/V, so stages keep loads in flight."""
+    return 64, 4, 2 if dtype == torch.float32 else 3
 
 
 def paged_prefill_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    block_m: int | None = None, block_n: int | None = None,
+    config: PrefillConfig | None = None,
 ) -> torch.Tensor:
-    """The FlashAttention-2 path of paged_attention_triton, for any mix of query lengths. block_m and
-    block_n override the tile shape (tests use small tiles to exercise many tiles on tiny inputs)."""
+    """The FlashAttention-2 path of paged_attention_triton, for any mix of query lengths. `config`
+    overrides prefill_config (tests use small tiles to exercise many tiles on tiny inputs)."""
     group = _check_shapes(q, k_cache, v_cache)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    default_m, default_n, num_warps, num_stages = _prefill_config(q.shape[2], group, q.dtype)
-    block_m, block_n = block_m or default_m, block_n or default_n
+    block_m, block_n, num_warps, num_stages = config or prefill_config(q.shape[2], group, q.dtype)
     if group > block_m:
         raise ValueError(f"block_m={block_m} must hold at least the {group} query heads of one KV head")
     if q.shape[0] == 0 or meta.max_query_len <= 0:
         return out
-    grid = (triton.cdiv(meta.max_query_len, block_m // group), k_cache.shape[2], meta.num_seqs)
+    grid = (k_cache.shape[2], meta.num_seqs, triton.cdiv(meta.max_query_len, block_m // group))
     _paged_prefill_kernel[grid](
         out, q, k_cache, v_cache, meta.block_tables, meta.cu_query_lens, meta.context_lens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -304,40 +342,37 @@ def paged_prefill_triton(
     return out
 
 
-_DECODE_BLOCK_N = 64
 _DECODE_MIN_PARTITION = 256  # tokens: below this a split's fixed cost outweighs the parallelism it adds
 _DECODE_TARGET_PROGRAMS = 1024  # about 8 programs per SM of an H100/H200
 _DECODE_MAX_SPLITS = 64  # the combine kernel holds all splits of a head in registers
 
 
-def decode_partition(num_seqs: int, num_kv_heads: int, max_context_len: int) -> tuple[int, int]:
-    """(num_splits, partition_size) for flash-decoding, from Python ints only so that a CUDA graph
-    captured at a given max_context_len replays with the same grid: split each context until the
-    grid has about _DECODE_TARGET_PROGRAMS programs, but not into pieces under _DECODE_MIN_PARTITION."""
-    max_context_len = max(max_context_len, 1)
-    max_splits = triton.cdiv(max_context_len, _DECODE_MIN_PARTITION)
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int) -> int:
+    """How many splits flash-decoding cuts each context into, from Python ints only, so that a CUDA graph
+    captured at a given batch size and max_context_len replays with the same grid: enough for about
+    _DECODE_TARGET_PROGRAMS programs, but no more than the longest context has _DECODE_MIN_PARTITION
+    pieces. Each sequence then sizes its own pieces from its context length (_split_partition)."""
+    max_splits = triton.cdiv(max(max_context_len, 1), _DECODE_MIN_PARTITION)
     wanted = triton.cdiv(_DECODE_TARGET_PROGRAMS, max(num_seqs * num_kv_heads, 1))
-    num_splits = max(1, min(max_splits, wanted, _DECODE_MAX_SPLITS))
-    partition = triton.cdiv(triton.cdiv(max_context_len, num_splits), _DECODE_BLOCK_N) * _DECODE_BLOCK_N
-    return triton.cdiv(max_context_len, partition), partition
+    return max(1, min(max_splits, wanted, _DECODE_MAX_SPLITS))
 
 
 def paged_decode_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    num_splits: int | None = None,
+    num_splits: int | None = None, config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """The flash-decoding path of paged_attention_triton (every sequence has query_len <= 1).
-    num_splits overrides the heuristic (tests force several splits on tiny contexts)."""
+    num_splits overrides decode_num_splits, and then pieces may be as short as BLOCK_N (tests force
+    several splits on tiny contexts); config overrides decode_config."""
     group = _check_shapes(q, k_cache, v_cache)
     num_seqs, num_q_heads, num_kv_heads, head_dim = meta.num_seqs, q.shape[1], k_cache.shape[2], q.shape[2]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0 or num_seqs == 0:
         return out
+    block_n, num_warps, num_stages = config or decode_config(head_dim, q.dtype)
+    min_partition = _DECODE_MIN_PARTITION if num_splits is None else block_n
     if num_splits is None:
-        num_splits, partition = decode_partition(num_seqs, num_kv_heads, meta.max_context_len)
-    else:
-        partition = triton.cdiv(triton.cdiv(max(meta.max_context_len, 1), num_splits), _DECODE_BLOCK_N)
-        partition *= _DECODE_BLOCK_N
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, meta.max_context_len)
     single = num_splits == 1
     if single:
         partial_out = partial_lse = out  # unused
@@ -350,16 +385,16 @@ def paged_decode_triton(
         meta.context_lens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0), scale * _LOG2E,
-        num_q_heads, num_splits, partition,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=_DECODE_BLOCK_N,
+        num_q_heads, num_splits, min_partition,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, SINGLE_SPLIT=single,
-        num_warps=4, num_stages=3 if q.dtype != torch.float32 else 2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if not single:
         _combine_splits_kernel[(num_seqs, num_q_heads)](
             out, partial_out, partial_lse, meta.cu_query_lens, meta.context_lens,
-            out.stride(0), out.stride(1), num_q_heads, num_splits, partition,
-            BLOCK_SPLITS=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, num_warps=4,
+            out.stride(0), out.stride(1), num_q_heads, num_splits, min_partition,
+            BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_N=block_n, HEAD_DIM=head_dim, num_warps=4,
         )
     return out
 

@@ -56,7 +56,7 @@ if triton is not None:
     #   p_j = exp((x_j - x_0) / T) / Z, Z summed over the whole row (only with USE_TOP_P)
     #   keep j while j < top_k and sum_{i<j} p_i < top_p (j = 0 always kept)
     #   cutoff = x_{kept-1}: exactly the tokens with logit >= cutoff survive top-k and top-p.
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_rows", "width", "stride_sorted"])  # vary per step: compile once
     def _top_k_top_p_cutoff_kernel(
         cutoff_ptr, sorted_ptr, temperature_ptr, top_k_ptr, top_p_ptr, num_rows, width, vocab, stride_sorted,
         USE_TOP_P: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
@@ -101,7 +101,7 @@ if triton is not None:
     #   pass 2: keep x_i >= cutoff and x_i >= x_max + T*log(min_p) (p_i >= min_p * p_max); then
     #           token = argmax_i x_i/T - log(E_i) over kept i, E_i = -log(U_i), U_i = rand(seed, i):
     #           the exponential race argmax p_i / E_i, an exact draw from the kept tempered softmax.
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_rows"])
     def _sample_kernel(
         out_ptr, logits_ptr, cutoff_ptr, temperature_ptr, min_p_ptr, seeds_ptr,
         num_rows, vocab, stride_logits, HAS_CUTOFF: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
@@ -176,7 +176,8 @@ def sample_triton(
         else:
             ordered, width = logits.topk(max_top_k, dim=-1).values, max_top_k
         cutoff = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
-        block, rows = _tile(num_rows, width)
+        # top-k alone reads one logit per row: a fixed tile, so that no top_k value compiles a new kernel
+        block, rows = _tile(num_rows, width) if use_top_p else (16, 128)
         _top_k_top_p_cutoff_kernel[(triton.cdiv(num_rows, rows),)](
             cutoff, ordered, temperature, top_k, top_p, num_rows, width, vocab, ordered.stride(0),
             USE_TOP_P=bool(use_top_p), ROWS=rows, BLOCK=block, num_warps=8,

@@ -1,0 +1,363 @@
+"""Benchmarks of tinyvllm's Triton kernels on the GPU, each beside its peer in the same run:
+
+- prefill attention (8 x 2048 causal, Llama-3.2-1B heads): TFLOP/s vs torch SDPA (flash, cuDNN);
+- decode attention (paged, block size 16): GB/s of K+V attended vs SDPA flash on contiguous KV and vs
+  the device-to-device copy ceiling measured here;
+- RMSNorm, fused add+RMSNorm, RoPE, SiLU-and-mul at >= 64 MB: GB/s vs the copy ceiling and the torch
+  reference; sampling at vocabulary 128256: microseconds vs the torch reference.
+
+    python benchmarks/kernels.py [--quick] [--sweep]        (from the repository root)
+
+--sweep also times alternative attention launch configurations (tile sizes, warps, stages, splits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from tinyvllm.ops.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
+from tinyvllm.ops.attention import (  # noqa: E402
+    AttentionMetadata,
+    decode_config,
+    decode_num_splits,
+    paged_attention_triton,
+    paged_decode_triton,
+    paged_prefill_triton,
+    prefill_config,
+)
+from tinyvllm.ops.layernorm import (  # noqa: E402
+    fused_add_rms_norm_ref,
+    fused_add_rms_norm_triton,
+    rms_norm_ref,
+    rms_norm_triton,
+)
+from tinyvllm.ops.rotary import build_cos_sin_cache, rotary_embedding_ref, rotary_embedding_triton  # noqa: E402
+from tinyvllm.ops.sampling import sample_ref, sample_triton  # noqa: E402
+
+DEVICE = torch.device("cuda")
+DTYPE = torch.bfloat16
+HIDDEN, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB, BLOCK_SIZE = 2048, 32, 8, 64, 8192, 128256, 16
+L2_BYTES = 200 * 2**20  # rotate through this many bytes of inputs so that small cases are not L2-resident
+PREFILL_BATCH, PREFILL_LEN = 8, 2048
+DECODE_BATCHES, DECODE_CONTEXTS = [1, 64, 256], [512, 2048, 8192]
+ELEMENTWISE_TOKENS = 16384  # 16384 x 2048 bf16 = 64 MiB per activation
+COPY_ELEMENTS = 2**30  # 2 GiB of bf16
+
+QUICK = False
+
+
+def bench(fn: Callable[[], object]) -> float:
+    """Milliseconds per call (triton.testing.do_bench: L2 flushed before each call)."""
+    return triton.testing.do_bench(fn, warmup=10 if QUICK else 25, rep=30 if QUICK else 100)
+
+
+def bench_graph(fn: Callable[[], object], calls: int) -> float:
+    """Milliseconds per call of a function that makes `calls` calls, replayed as a CUDA graph (no launch
+    overhead, as decode runs in the engine)."""
+    return triton.testing.do_bench_cudagraph(fn, rep=20 if QUICK else 50) / calls
+
+
+class Table:
+    def __init__(self, title: str, unit: str) -> None:
+        self.title, self.unit = title, unit
+        self.rows: list[tuple[str, str, str, str, str, str]] = []
+
+    def add(self, case: str, ours: float, peer_name: str, peer: float | None, ceiling: float | None = None) -> None:
+        ratio = f"{ours / peer:.2f}x" if peer else "-"
+        of_ceiling = f"{100 * ours / ceiling:.0f}%" if ceiling else ""
+        self.rows.append((case, f"{ours:.1f}", peer_name, f"{peer:.1f}" if peer else "n/a", ratio, of_ceiling))
+        print(f"  {case}: tinyvllm {ours:.1f} {self.unit}, {peer_name} {self.rows[-1][3]}", flush=True)
+
+    def print(self) -> None:
+        header = ("case", f"tinyvllm {self.unit}", "peer", f"peer {self.unit}", "ours/peer", "of copy")
+        widths = [max(len(r[i]) for r in [header, *self.rows]) for i in range(6)]
+        line = "  ".join("{:<" + str(w) + "}" for w in widths)
+        print(f"\n## {self.title}\n")
+        print(line.format(*header))
+        print("  ".join("-" * w for w in widths))
+        for r in self.rows:
+            print(line.format(*r))
+
+
+def copy_ceiling() -> float:
+    """GB/s of a 2 GB device-to-device copy (bytes read + written)."""
+    src = torch.empty(COPY_ELEMENTS, dtype=DTYPE, device=DEVICE).normal_()
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+# ------------------------------------------------------------------------------------------------ attention
+
+
+def paged_from_contiguous(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k, v [B, Hk, L, D] (L a multiple of BLOCK_SIZE) -> (k_cache, v_cache, block_tables) holding the same
+    values in blocks of a randomly permuted pool."""
+    batch, kv_heads, length, head_dim = k.shape
+    blocks_per_seq = length // BLOCK_SIZE
+    order = torch.randperm(batch * blocks_per_seq, device=DEVICE)
+    block_tables = order.view(batch, blocks_per_seq).int()
+    caches = []
+    for t in (k, v):
+        cache = torch.empty(batch * blocks_per_seq, BLOCK_SIZE, kv_heads, head_dim, dtype=t.dtype, device=DEVICE)
+        cache[order] = t.permute(0, 2, 1, 3).reshape(batch * blocks_per_seq, BLOCK_SIZE, kv_heads, head_dim)
+        caches.append(cache)
+    return caches[0], caches[1], block_tables
+
+
+def metadata(query_lens: list[int], context_lens: list[int], block_tables: torch.Tensor) -> AttentionMetadata:
+    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    return AttentionMetadata(
+        cu_query_lens=cu,
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=block_tables,
+        slot_mapping=torch.zeros(int(cu[-1]), dtype=torch.int64, device=DEVICE),
+        max_query_len=max(query_lens),
+        max_context_len=max(context_lens),
+    )
+
+
+def sdpa(backend: SDPBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Callable | None:
+    """A closure running SDPA on `backend` with grouped KV heads (enable_gqa), or with K/V expanded to the
+    query heads where the backend refuses GQA; None if the backend cannot run this shape at all. The
+    closure's `gqa` attribute says which."""
+    group = q.shape[1] // k.shape[1]
+
+    def grouped() -> torch.Tensor:
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+    k_full, v_full = (k, v) if group == 1 else (None, None)
+
+    def expanded() -> torch.Tensor:
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k_full, v_full, is_causal=causal)
+
+    for run, gqa in ((grouped, True), (expanded, False)):
+        if not gqa and k_full is None:
+            k_full, v_full = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        try:
+            run()
+            torch.cuda.synchronize()
+        except (RuntimeError, TypeError):
+            continue
+        run.gqa = gqa  # type: ignore[attr-defined]
+        return run
+    return None
+
+
+def bench_prefill(table: Table) -> None:
+    batch, length = PREFILL_BATCH, PREFILL_LEN
+    q4 = torch.randn(batch, NUM_Q_HEADS, length, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    k4 = torch.randn(batch, NUM_KV_HEADS, length, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    v4 = torch.randn_like(k4)
+    k_cache, v_cache, block_tables = paged_from_contiguous(k4, v4)
+    q = q4.transpose(1, 2).reshape(batch * length, NUM_Q_HEADS, HEAD_DIM).contiguous()
+    meta = metadata([length] * batch, [length] * batch, block_tables)
+    scale = HEAD_DIM**-0.5
+    flops = 4 * NUM_Q_HEADS * HEAD_DIM * batch * length * length / 2
+
+    ours = lambda: paged_attention_triton(q, k_cache, v_cache, meta, scale)  # noqa: E731
+    tflops = flops / bench(ours) / 1e9
+    case = f"prefill {batch}x{length} causal {NUM_Q_HEADS}/{NUM_KV_HEADS} heads d{HEAD_DIM} bf16"
+    for name, backend in (("SDPA flash", SDPBackend.FLASH_ATTENTION), ("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION)):
+        peer = sdpa(backend, q4, k4, v4, causal=True)
+        if peer is None:
+            table.add(case, tflops, f"{name} (not available)", None)
+            continue
+        ref = peer().transpose(1, 2).reshape(batch * length, NUM_Q_HEADS, HEAD_DIM)
+        diff = float((ours().float() - ref.float()).norm() / ref.float().norm())
+        label = f"{name}{'' if peer.gqa else ' (K/V expanded)'} [rel diff {diff:.0e}]"
+        table.add(case, tflops, label, flops / bench(peer) / 1e9)
+
+
+def bench_decode(table: Table, ceiling: float) -> None:
+    scale = HEAD_DIM**-0.5
+    batches, contexts = DECODE_BATCHES, DECODE_CONTEXTS
+    if QUICK:
+        batches, contexts = batches[:2], contexts[::2]
+    for batch in batches:
+        for context in contexts:
+            kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2  # K and V, bf16
+            if kv_bytes > 10e9:
+                continue
+            copies = max(1, min(64, math.ceil(L2_BYTES / kv_bytes)))
+            sets = []
+            for _ in range(copies):
+                k4 = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+                v4 = torch.randn_like(k4)
+                k_cache, v_cache, block_tables = paged_from_contiguous(k4, v4)
+                q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+                meta = metadata([1] * batch, [context] * batch, block_tables)
+                sets.append((q, k_cache, v_cache, meta, k4, v4))
+
+            def ours(sets: list = sets) -> None:
+                for q, k_cache, v_cache, meta, _, _ in sets:
+                    paged_attention_triton(q, k_cache, v_cache, meta, scale)
+
+            gbps = kv_bytes / bench_graph(ours, copies) / 1e6
+            splits = decode_num_splits(batch, NUM_KV_HEADS, context)
+            case = f"decode B={batch} ctx={context} ({kv_bytes / 2**20:.0f} MiB KV, {splits} splits)"
+            peers = [sdpa(SDPBackend.FLASH_ATTENTION, s[0].unsqueeze(2), s[4], s[5], causal=False) for s in sets]
+            if peers[0] is None:
+                table.add(case, gbps, "SDPA flash (not available)", None, ceiling)
+                continue
+
+            def peer(peers: list = peers) -> None:
+                for run in peers:
+                    run()
+
+            label = f"SDPA flash contiguous{'' if peers[0].gqa else ' (K/V expanded)'}"
+            table.add(case, gbps, label, kv_bytes / bench_graph(peer, copies) / 1e6, ceiling)
+            del sets, peers
+
+
+# ---------------------------------------------------------------------------------------------- elementwise
+
+
+def bench_elementwise(table: Table, ceiling: float) -> None:
+    tokens = ELEMENTWISE_TOKENS
+    x = torch.randn(tokens, HIDDEN, device=DEVICE, dtype=DTYPE)
+    residual = torch.randn_like(x)
+    weight = torch.randn(HIDDEN, device=DEVICE, dtype=DTYPE)
+    size = x.numel() * x.element_size()
+
+    def add(case: str, nbytes: int, ours: Callable, ref: Callable) -> None:
+        table.add(f"{case} ({nbytes / 2**20:.0f} MiB moved)", nbytes / bench(ours) / 1e6, "torch reference",
+                  nbytes / bench(ref) / 1e6, ceiling)
+
+    add(f"rms_norm {tokens}x{HIDDEN}", 2 * size, lambda: rms_norm_triton(x, weight, 1e-5),
+        lambda: rms_norm_ref(x, weight, 1e-5))
+    add(f"fused_add_rms_norm {tokens}x{HIDDEN}", 4 * size, lambda: fused_add_rms_norm_triton(x, residual, weight, 1e-5),
+        lambda: fused_add_rms_norm_ref(x, residual, weight, 1e-5))
+
+    qkv = torch.randn(tokens, (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    q = qkv[:, : NUM_Q_HEADS * HEAD_DIM].view(tokens, NUM_Q_HEADS, HEAD_DIM)
+    k = qkv[:, NUM_Q_HEADS * HEAD_DIM : (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM].view(tokens, NUM_KV_HEADS, HEAD_DIM)
+    cache = build_cos_sin_cache(HEAD_DIM, 131072, 500000.0, None, DEVICE)
+    positions = torch.randint(0, 131072, (tokens,), device=DEVICE)
+    rope_bytes = 2 * (q.numel() + k.numel()) * 2 + tokens * HEAD_DIM * 4
+    add(f"rotary q {tokens}x{NUM_Q_HEADS}x{HEAD_DIM} + k {tokens}x{NUM_KV_HEADS}x{HEAD_DIM}", rope_bytes,
+        lambda: rotary_embedding_triton(positions, q, k, cache), lambda: rotary_embedding_ref(positions, q, k, cache))
+
+    gate_up = torch.randn(tokens // 4, 2 * INTERMEDIATE, device=DEVICE, dtype=DTYPE)
+    silu_bytes = gate_up.numel() * 2 * 3 // 2
+    add(f"silu_and_mul {gate_up.shape[0]}x{gate_up.shape[1]}", silu_bytes, lambda: silu_and_mul_triton(gate_up),
+        lambda: silu_and_mul_ref(gate_up))
+
+
+def bench_sampling(table: Table) -> None:
+    batch = 64
+    logits = 4 * torch.randn(batch, VOCAB, device=DEVICE)
+    seeds = torch.arange(batch, device=DEVICE)
+    for name, temperature, top_k, top_p in (("greedy", 0.0, 0, 1.0), ("T=0.8 top_k=50", 0.8, 50, 1.0),
+                                            ("T=0.8 top_p=0.9", 0.8, 0, 0.9)):
+        args = (
+            logits,
+            torch.full((batch,), temperature, device=DEVICE),
+            torch.full((batch,), top_k, dtype=torch.int64, device=DEVICE),
+            torch.full((batch,), top_p, device=DEVICE),
+            torch.zeros(batch, device=DEVICE),
+            seeds,
+        )
+        table.add(f"sample B={batch} V={VOCAB} {name}", 1e3 * bench(lambda a=args: sample_triton(*a)),
+                  "sample_ref", 1e3 * bench(lambda a=args: sample_ref(*a)))
+
+
+PREFILL_SWEEP = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 3), (128, 32, 4, 4),
+                 (64, 64, 4, 3), (256, 64, 8, 3)]
+DECODE_SWEEP = [(64, 4, 3), (64, 4, 2), (64, 8, 3), (32, 4, 3), (128, 4, 3), (128, 8, 3)]
+DECODE_SWEEP_SHAPES = [(1, 8192), (64, 2048), (256, 2048)]
+
+
+def sweep() -> None:
+    """TFLOP/s and GB/s of alternative launch configurations, to choose prefill_config / decode_config."""
+    batch, length = PREFILL_BATCH, PREFILL_LEN
+    q = torch.randn(batch * length, NUM_Q_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    k4 = torch.randn(batch, NUM_KV_HEADS, length, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    k_cache, v_cache, block_tables = paged_from_contiguous(k4, torch.randn_like(k4))
+    meta = metadata([length] * batch, [length] * batch, block_tables)
+    flops = 4 * NUM_Q_HEADS * HEAD_DIM * batch * length * length / 2
+    print(f"\n## Prefill {batch}x{length} configs (BLOCK_M, BLOCK_N, warps, stages); "
+          f"default {prefill_config(HEAD_DIM, NUM_Q_HEADS // NUM_KV_HEADS, DTYPE)}")
+    for config in PREFILL_SWEEP:
+        run = lambda c=config: paged_prefill_triton(q, k_cache, v_cache, meta, HEAD_DIM**-0.5, config=c)  # noqa: E731
+        try:
+            print(f"  {config}: {flops / bench(run) / 1e9:.1f} TFLOP/s", flush=True)
+        except Exception as error:  # a config that does not compile or fit
+            print(f"  {config}: failed ({type(error).__name__}: {str(error)[:100]})", flush=True)
+    for batch, context in DECODE_SWEEP_SHAPES:
+        sweep_decode(batch, context)
+
+
+def sweep_decode(batch: int, context: int) -> None:
+    k4 = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    k_cache, v_cache, block_tables = paged_from_contiguous(k4, torch.randn_like(k4))
+    q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    meta = metadata([1] * batch, [context] * batch, block_tables)
+    kv_bytes = 2 * k4.numel() * k4.element_size()
+    default_splits = decode_num_splits(batch, NUM_KV_HEADS, context)
+    print(f"\n## Decode B={batch} ctx={context} configs (BLOCK_N, warps, stages) x splits; "
+          f"default {decode_config(HEAD_DIM, DTYPE)} x {default_splits} (one cache: L2-resident when small)")
+    for config in DECODE_SWEEP:
+        results = []
+        for splits in sorted({1, 2, 4, 8, 16, 32, default_splits}):
+            if splits > max(context // 256, 1) and splits != default_splits:
+                continue
+            run = lambda c=config, n=splits: paged_decode_triton(  # noqa: E731
+                q, k_cache, v_cache, meta, HEAD_DIM**-0.5, num_splits=n, config=c
+            )
+            try:
+                results.append(f"{splits}: {kv_bytes / bench_graph(run, 1) / 1e6:.0f}")
+            except Exception as error:  # a config that does not compile or fit
+                results.append(f"{splits}: failed ({type(error).__name__})")
+        print(f"  {config}: GB/s by number of splits  " + "  ".join(results), flush=True)
+
+
+def main() -> int:
+    global QUICK
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer decode shapes, shorter timing runs")
+    parser.add_argument("--sweep", action="store_true", help="also time alternative attention launch configs")
+    args = parser.parse_args()
+    QUICK = args.quick
+    if not torch.cuda.is_available():
+        print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
+    ceiling = copy_ceiling()
+    print(f"device-to-device copy (2 GiB): {ceiling:.0f} GB/s (read + written)", flush=True)
+
+    prefill = Table("Prefill attention (TFLOP/s, causal FLOPs = 4*Hq*D*sum(L^2)/2)", "TFLOP/s")
+    bench_prefill(prefill)
+    decode = Table("Decode attention (GB/s of K+V attended; CUDA graphs, inputs rotated past L2)", "GB/s")
+    bench_decode(decode, ceiling)
+    elementwise = Table("Elementwise ops, bf16 (GB/s of the bytes each op must move)", "GB/s")
+    bench_elementwise(elementwise, ceiling)
+    sampling = Table("Sampling (microseconds per call; lower is better, so ours/peer < 1 wins)", "us")
+    bench_sampling(sampling)
+
+    print(f"\ncopy ceiling: {ceiling:.0f} GB/s")
+    for table in (prefill, decode, elementwise, sampling):
+        table.print()
+    if args.sweep:
+        sweep()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

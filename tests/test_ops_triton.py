@@ -1,0 +1,307 @@
+"""Every Triton kernel against its PyTorch reference, under the Triton interpreter on CPU tensors
+(conftest sets TRITON_INTERPRET=1 before triton is imported). Shapes are tiny: the interpreter is slow.
+Outputs the kernels allocate are poisoned with NaN (or -1 for integers), so an unwritten element fails."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tinyvllm.ops.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
+from tinyvllm.ops.attention import (  # noqa: E402
+    AttentionMetadata,
+    decode_num_splits,
+    paged_attention_ref,
+    paged_attention_triton,
+    paged_decode_triton,
+    paged_prefill_triton,
+)
+from tinyvllm.ops.embedding import embedding_ref, embedding_triton  # noqa: E402
+from tinyvllm.ops.kv_cache import store_kv_ref, store_kv_triton  # noqa: E402
+from tinyvllm.ops.layernorm import (  # noqa: E402
+    fused_add_rms_norm_ref,
+    fused_add_rms_norm_triton,
+    rms_norm_ref,
+    rms_norm_triton,
+)
+from tinyvllm.ops.rotary import build_cos_sin_cache, rotary_embedding_ref, rotary_embedding_triton  # noqa: E402
+from tinyvllm.ops.sampling import sample_triton  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # log(0) = -inf on purpose in sampling
+
+_real_empty = torch.empty
+
+
+def _poisoned_empty(*args, **kwargs) -> torch.Tensor:
+    t = _real_empty(*args, **kwargs)
+    return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every torch.empty the kernels' wrappers call returns NaN (or -1): unwritten outputs show."""
+    monkeypatch.setattr(torch, "empty", _poisoned_empty)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(actual.float(), expected.float(), atol=2e-3, rtol=2e-3)
+
+
+# ---------------------------------------------------------------------------------------------- elementwise
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_embedding(dtype: torch.dtype) -> None:
+    weight = torch.randn(50, 1100).to(dtype)  # two column tiles, the second partial
+    ids = torch.randint(0, 50, (7,))
+    torch.testing.assert_close(embedding_triton(ids, weight), embedding_ref(ids, weight))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hidden", [64, 96])
+def test_rms_norm(dtype: torch.dtype, hidden: int) -> None:
+    x, weight = torch.randn(5, hidden).to(dtype), torch.randn(hidden).to(dtype)
+    _close(rms_norm_triton(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_add_rms_norm(dtype: torch.dtype) -> None:
+    x, residual, weight = torch.randn(6, 80).to(dtype), torch.randn(6, 80).to(dtype), torch.rand(80).to(dtype)
+    normed, new_residual = fused_add_rms_norm_triton(x, residual, weight, 1e-6)
+    ref_normed, ref_residual = fused_add_rms_norm_ref(x, residual, weight, 1e-6)
+    torch.testing.assert_close(new_residual, ref_residual, atol=0, rtol=0)  # the rounded sum, bit for bit
+    _close(normed, ref_normed)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rotary_embedding_in_place(head_dim: int, dtype: torch.dtype) -> None:
+    scaling = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    scaling["original_max_position_embeddings"] = 64
+    cache = build_cos_sin_cache(head_dim, 200, 500000.0, scaling, torch.device("cpu"))
+    positions = torch.randint(0, 200, (6,))
+    # q and k as views of one fused qkv projection (rows not contiguous), as the model produces them
+    qkv = torch.randn(6, (4 + 2 + 2) * head_dim).to(dtype)
+    q = qkv[:, : 4 * head_dim].view(6, 4, head_dim)
+    k = qkv[:, 4 * head_dim : 6 * head_dim].view(6, 2, head_dim)
+    ref_q, ref_k = rotary_embedding_ref(positions, q.clone(), k.clone(), cache)
+    out_q, out_k = rotary_embedding_triton(positions, q, k, cache)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    _close(q, ref_q)
+    _close(k, ref_k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    x = (3 * torch.randn(5, 2 * 1100)).to(dtype)  # two column tiles, the second partial
+    _close(silu_and_mul_triton(x), silu_and_mul_ref(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_kv_skips_padding(dtype: torch.dtype) -> None:
+    num_blocks, block_size, kv_heads, head_dim = 6, 16, 3, 64
+    k, v = torch.randn(5, kv_heads, head_dim).to(dtype), torch.randn(5, kv_heads, head_dim).to(dtype)
+    slots = torch.tensor([17, -1, 3, 95, 40], dtype=torch.int64)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    store_kv_ref(k, v, ref_k, ref_v, slots)
+    store_kv_triton(k, v, k_cache, v_cache, slots)
+    torch.testing.assert_close(k_cache, ref_k, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache, ref_v, atol=0, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------ attention
+
+
+def _paged_batch(
+    query_lens: list[int],
+    context_lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Random q and a paged cache whose blocks are a random permutation of the pool; every slot that no
+    sequence owns (spare blocks, the tail of a partial last block) is NaN, so reading one fails."""
+    blocks_per_seq = [math.ceil(c / block_size) for c in context_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = torch.randperm(num_blocks).tolist()
+    block_tables = torch.zeros(len(query_lens), max(blocks_per_seq) + 1, dtype=torch.int32)
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    for i, context_len in enumerate(context_lens):
+        blocks, order = order[: blocks_per_seq[i]], order[blocks_per_seq[i] :]
+        block_tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        for j in range(context_len):
+            k_cache[blocks[j // block_size], j % block_size] = torch.randn(num_kv_heads, head_dim).to(dtype)
+            v_cache[blocks[j // block_size], j % block_size] = torch.randn(num_kv_heads, head_dim).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    # q as the model passes it: a view of the fused qkv projection, token rows not contiguous
+    q = torch.randn(int(cu[-1]), num_q_heads + 2 * num_kv_heads, head_dim).to(dtype)[:, :num_q_heads]
+    meta = AttentionMetadata(
+        cu_query_lens=cu,
+        context_lens=torch.tensor(context_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        slot_mapping=torch.zeros(int(cu[-1]), dtype=torch.int64),  # not read by attention
+        max_query_len=max(query_lens),
+        max_context_len=max(context_lens),
+    )
+    return q, k_cache, v_cache, meta
+
+
+# (query heads, kv heads, head_dim, block_size, dtype): GQA ratios 1, 4, 8 and 3 (SmolLM2's 9/3)
+_ATTENTION_SHAPES = [
+    (2, 2, 64, 16, torch.float32),
+    (8, 2, 64, 32, torch.float32),
+    (8, 1, 128, 16, torch.float32),
+    (6, 2, 64, 16, torch.float32),
+    (4, 1, 64, 16, torch.float16),
+]
+
+
+@pytest.mark.parametrize("shape", _ATTENTION_SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv-d{s[2]}-bs{s[3]}-{s[4]}")
+@pytest.mark.parametrize("num_splits,config", [(None, None), (3, None), (4, (32, 4, 1))],
+                         ids=["default", "3-splits", "4-splits-block32"])
+def test_paged_decode(shape: tuple, num_splits: int | None, config: tuple[int, int, int] | None) -> None:
+    num_q_heads, num_kv_heads, head_dim, block_size, dtype = shape
+    # ragged contexts, partial last blocks, one sequence shorter than a block, one without a token this
+    # step, and a CUDA graph's padding row (one token, context 0: zeros, as the reference gives)
+    query_lens, context_lens = [1, 1, 0, 1, 1], [5, 2 * block_size + 3, 9, 70, 0]
+    q, k_cache, v_cache, meta = _paged_batch(
+        query_lens, context_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype
+    )
+    scale = head_dim**-0.5
+    expected = paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    if num_splits is None:
+        assert meta.is_decode
+        out = paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    else:
+        out = paged_decode_triton(q, k_cache, v_cache, meta, scale, num_splits=num_splits, config=config)
+    _close(out, expected)
+
+
+def test_paged_decode_grid_sized_for_longer_contexts() -> None:
+    # a CUDA graph is captured once at the longest context: the grid (here 8 splits) must serve short ones
+    q, k_cache, v_cache, meta = _paged_batch([1, 1, 1], [300, 17, 1000], 4, 2, 64, 16, torch.float32)
+    meta.max_context_len = 8192
+    assert decode_num_splits(3, 2, 8192) == 32
+    expected = paged_attention_ref(q, k_cache, v_cache, meta, 0.125)
+    _close(paged_attention_triton(q, k_cache, v_cache, meta, 0.125), expected)
+
+
+def test_decode_num_splits_heuristic() -> None:
+    # batch 1, long context: many splits of >= 256 tokens; a big batch: one split (no combine pass)
+    assert 16 <= decode_num_splits(1, 8, 8192) <= 8192 // 256
+    assert decode_num_splits(256, 8, 8192) == 1
+    assert decode_num_splits(1, 8, 100) == 1
+
+
+# (query_lens, context_lens): full prefill of ragged prompts; chunked prefill with a context offset;
+# a mixed batch of decodes (query_len 1), an idle sequence (query_len 0) and a prefill chunk
+_PREFILL_BATCHES = {
+    "ragged": ([5, 37, 20], [5, 37, 20]),
+    "chunked": ([7, 20, 33], [40, 20, 70]),
+    "mixed": ([1, 0, 12, 1], [25, 10, 30, 1]),
+}
+
+
+@pytest.mark.parametrize("shape", _ATTENTION_SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv-d{s[2]}-bs{s[3]}-{s[4]}")
+@pytest.mark.parametrize("batch", list(_PREFILL_BATCHES))
+@pytest.mark.parametrize("config", [None, (16, 16, 4, 1)], ids=["default-tiles", "small-tiles"])
+def test_paged_prefill(shape: tuple, batch: str, config: tuple[int, int, int, int] | None) -> None:
+    num_q_heads, num_kv_heads, head_dim, block_size, dtype = shape
+    query_lens, context_lens = _PREFILL_BATCHES[batch]
+    q, k_cache, v_cache, meta = _paged_batch(
+        query_lens, context_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype
+    )
+    scale = head_dim**-0.5
+    expected = paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    if config is None:
+        assert not meta.is_decode
+        out = paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    else:
+        out = paged_prefill_triton(q, k_cache, v_cache, meta, scale, config=config)
+    _close(out, expected)
+
+
+# ------------------------------------------------------------------------------------------------- sampling
+
+
+def _params(rows: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0):
+    return (
+        torch.full((rows,), temperature),
+        torch.full((rows,), top_k, dtype=torch.int64),
+        torch.full((rows,), top_p),
+        torch.full((rows,), min_p),
+    )
+
+
+def test_sample_greedy_and_top_k_1_are_argmax() -> None:
+    logits = torch.randn(6, 5000)  # two vocabulary tiles per row
+    temperature, top_k, top_p, min_p = _params(6, top_p=0.9)
+    temperature[:3] = 0.0  # greedy rows beside sampled ones
+    top_k[3:] = 1  # top_k = 1 leaves only the argmax
+    out = sample_triton(logits, temperature, top_k, top_p, min_p, torch.arange(6))
+    assert out.tolist() == logits.argmax(-1).tolist()
+    temperature.zero_()
+    out = sample_triton(logits, temperature, top_k, top_p, min_p, torch.arange(6))
+    assert out.tolist() == logits.argmax(-1).tolist()
+
+
+def test_sample_depends_only_on_own_row_and_seed() -> None:
+    logits = torch.randn(5, 300)
+    temperature, top_k, top_p, min_p = _params(5, temperature=1.5, top_k=40)
+    top_p[1], min_p[2], top_k[3] = 0.7, 0.05, 0
+    seeds = torch.tensor([11, 22, 33, 44, 55])
+    together = sample_triton(logits, temperature, top_k, top_p, min_p, seeds)
+    for row in range(5):
+        alone = sample_triton(
+            logits[row : row + 1], temperature[row : row + 1], top_k[row : row + 1], top_p[row : row + 1],
+            min_p[row : row + 1], seeds[row : row + 1],
+        )
+        assert alone.item() == together[row].item()
+    flipped = sample_triton(
+        logits.flip(0), temperature.flip(0), top_k.flip(0), top_p.flip(0), min_p.flip(0), seeds.flip(0)
+    )
+    assert flipped.flip(0).tolist() == together.tolist()
+
+
+# chi-square critical values at p = 1e-4 for 1..7 degrees of freedom
+_CHI2_CRITICAL = [15.14, 18.42, 21.11, 23.51, 25.74, 27.86, 29.88]
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,min_p",
+    [(0.7, 0, 0.8, 0.0), (1.3, 5, 1.0, 0.0), (1.0, 0, 1.0, 0.1), (2.0, 6, 0.9, 0.02)],
+)
+def test_sample_frequencies_follow_truncated_softmax(
+    temperature: float, top_k: int, top_p: float, min_p: float
+) -> None:
+    draws = 2000
+    logits = torch.tensor([0.3, -1.2, 1.1, 2.0, 2.4, -0.2, 0.9, 0.0])
+    # the truncated tempered distribution, from the reference's rules
+    probs = (logits / temperature).softmax(-1)
+    sorted_probs, order = probs.sort(descending=True)
+    rank = torch.arange(8)
+    drop = (rank >= (top_k if top_k > 0 else 8)) | (sorted_probs.cumsum(0) - sorted_probs >= top_p)
+    drop |= sorted_probs < min_p * sorted_probs[0]
+    drop[0] = False
+    expected = torch.zeros(8).scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    expected = expected / expected.sum()
+
+    params = _params(draws, temperature, top_k, top_p, min_p)
+    out = sample_triton(logits.repeat(draws, 1), *params, torch.arange(draws) * 7919 + 1)
+    counts = torch.bincount(out, minlength=8).double()
+    kept = expected > 0
+    assert counts[~kept].sum() == 0, f"masked tokens drawn: {counts.tolist()}"
+    chi2 = float(((counts[kept] - draws * expected[kept]) ** 2 / (draws * expected[kept])).sum())
+    assert chi2 < _CHI2_CRITICAL[int(kept.sum()) - 2], f"chi2={chi2:.1f}, counts={counts.tolist()}"
