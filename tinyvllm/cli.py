@@ -1,4 +1,4 @@
-"""The `tinyvllm` command: generate, chat (and the subcommands other modules add)."""
+"""The `tinyvllm` command: generate, chat, serve, bench serve (and the subcommands other modules add)."""
 
 from __future__ import annotations
 
@@ -113,6 +113,31 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": "".join(answer)})
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tinyvllm.server.api import run_server  # fastapi, uvicorn, prometheus_client: only here
+
+    return run_server(args)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from tinyvllm.bench_serve import main as bench_serve_main
+
+    return bench_serve_main(args)
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` (default: $TINYVLLM_API_KEY; none if unset)")
+    g.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    g.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="on SIGINT/SIGTERM, seconds to wait for open connections before closing them")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tinyvllm", description="a small, fast LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -129,6 +154,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     add_sampling_args(p, max_tokens=512)
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    add_serve_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from tinyvllm.bench_serve import add_cli_args as add_bench_serve_args
+
+    p = bench_sub.add_parser("serve", help="load an OpenAI-compatible server and report throughput and latency")
+    add_bench_serve_args(p)
+    p.set_defaults(func=cmd_bench_serve)
     return parser
 
 

@@ -1,0 +1,459 @@
+"""The OpenAI-compatible server, end to end: a real `tinyvllm serve` process on loopback with the
+embedded model, driven by the official `openai` client and by raw HTTP.
+
+One server serves the whole module (it takes ~10-25 s to load), with an API key; the test process
+meanwhile computes the offline reference outputs with LLM(). Both run torch single-threaded, so that the
+two processes share the 2 CI cores without oversubscribing them. The graceful-shutdown test is last: it
+stops the server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+prometheus_parser = pytest.importorskip("prometheus_client.parser")
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "test-key-0123"
+MAX_TOKENS = 16  # for the requests compared with the offline engine
+SHORT = 6  # for requests that only check the API's shape
+COMPLETION_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a",
+                      "The three primary colors are"]
+CHAT_MESSAGES = [[{"role": "user", "content": "What is 2 + 2?"}],
+                 [{"role": "user", "content": "Name a fruit that is yellow."}],
+                 [{"role": "system", "content": "You answer in one word."},
+                  {"role": "user", "content": "What color is the sky?"}],
+                 [{"role": "user", "content": "Say hello in French."}]]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, process: subprocess.Popen, port: int, log_path: str) -> None:
+        self.process = process
+        self.port = port
+        self.log_path = log_path
+        self.url = f"http://127.0.0.1:{port}"
+        self.model = "SmolLM2-135M-Instruct"
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-4000:]
+
+    def client(self, **kwargs: Any) -> Any:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=300,
+                             http_client=httpx.Client(trust_env=False), **kwargs)
+
+    def http(self, key: str | None = API_KEY) -> Any:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=300, trust_env=False)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics, by name (labels dropped: one model, one value)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=30, trust_env=False).text
+        samples = {}
+        for family in prometheus_parser.text_string_to_metric_families(text):
+            for sample in family.samples:
+                if not sample.labels.get("le") and "finished_reason" not in sample.labels:
+                    samples[sample.name] = sample.value
+        return samples
+
+
+def _single_threaded_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = _free_port()
+    log_path = str(tmp_path_factory.mktemp("server") / "server.log")
+    log = open(log_path, "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tinyvllm.cli", "serve", "--port", str(port), "--api-key", API_KEY,
+         "--num-kv-blocks", "512", "--max-num-seqs", "64", "--log-level", "warning"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=_single_threaded_env())
+    srv = Server(process, port, log_path)
+    try:
+        yield srv
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(30)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def offline(server):
+    """Greedy reference outputs from the offline engine, computed while the server loads; then wait
+    until the server is healthy."""
+    import torch
+
+    from tinyvllm import LLM, SamplingParams
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llm = LLM(num_kv_blocks=256)
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+        completions = llm.generate(COMPLETION_PROMPTS, params, use_tqdm=False)
+        chats = llm.chat(CHAT_MESSAGES, params, use_tqdm=False)
+        reference = {"completions": [o.outputs[0].text for o in completions],
+                     "chats": [o.outputs[0].text for o in chats]}
+        del llm
+    finally:
+        torch.set_num_threads(threads)
+    _wait_healthy(server)
+    return reference
+
+
+def _wait_healthy(server: Server, timeout: float = 240.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if server.process.poll() is not None:
+            pytest.fail(f"the server exited with {server.process.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=5, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"the server was not healthy within {timeout:.0f} s:\n{server.log()}")
+
+
+@pytest.fixture(scope="module")
+def live(server, offline):
+    return server
+
+
+# ---- the openai client ---------------------------------------------------------------------------------
+def test_models_health_and_version(live):
+    assert httpx.get(f"{live.url}/health", trust_env=False).status_code == 200  # no key needed
+    models = live.client().models.list()
+    assert [m.id for m in models.data] == [live.model]
+    assert live.http().get("/version").json()["version"]
+
+
+def test_completion_streamed_equals_unstreamed(live, offline):
+    client = live.client()
+    prompt = COMPLETION_PROMPTS[0]
+    response = client.completions.create(model=live.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    choice = response.choices[0]
+    assert choice.text == offline["completions"][0]
+    assert choice.finish_reason in ("stop", "length")
+    assert response.usage.prompt_tokens > 0 and response.usage.completion_tokens > 0
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+
+    chunks = list(client.completions.create(model=live.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == response.usage.completion_tokens
+
+
+def test_chat_streamed_equals_unstreamed(live, offline):
+    client = live.client()
+    messages = CHAT_MESSAGES[0]
+    response = client.chat.completions.create(model=live.model, messages=messages, max_tokens=MAX_TOKENS,
+                                              temperature=0)
+    message = response.choices[0].message
+    assert message.role == "assistant"
+    assert message.content == offline["chats"][0]
+    assert response.choices[0].finish_reason in ("stop", "length")
+    assert response.usage.completion_tokens > 0
+
+    chunks = list(client.chat.completions.create(model=live.model, messages=messages, max_completion_tokens=MAX_TOKENS,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == message.content
+    assert chunks[-1].choices[0].finish_reason == response.choices[0].finish_reason
+    assert all(c.usage is None for c in chunks)  # no include_usage, no usage chunk
+
+
+def test_completion_prompt_forms(live):
+    """A prompt as a string, a list of strings, token ids, or a list of token-id lists; n per prompt."""
+    http = live.http()
+    ids = http.post("/tokenize", json={"prompt": "Hello, my name is"}).json()["tokens"]
+    text = http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert text == "Hello, my name is"
+    body = {"model": live.model, "max_tokens": SHORT, "temperature": 0}
+    as_text = http.post("/v1/completions", json={**body, "prompt": "Hello, my name is"}).json()
+    as_ids = http.post("/v1/completions", json={**body, "prompt": ids}).json()
+    assert as_text["choices"][0]["text"] == as_ids["choices"][0]["text"]
+    many = http.post("/v1/completions", json={**body, "prompt": [ids, ids[:3]], "n": 2}).json()
+    assert [c["index"] for c in many["choices"]] == [0, 1, 2, 3]
+    assert many["choices"][0]["text"] == many["choices"][1]["text"] == as_ids["choices"][0]["text"]
+    assert many["usage"]["prompt_tokens"] == len(ids) + 3
+    strings = http.post("/v1/completions", json={**body, "prompt": ["Hello, my name is", "Hi"]}).json()
+    assert strings["choices"][0]["text"] == as_text["choices"][0]["text"]
+
+
+def test_n_stop_and_seed(live, offline):
+    client = live.client()
+    sampled = client.chat.completions.create(model=live.model, messages=CHAT_MESSAGES[1], max_tokens=SHORT, n=2,
+                                             temperature=1.0, seed=7)
+    assert sorted(c.index for c in sampled.choices) == [0, 1]
+    assert all(c.message.content is not None for c in sampled.choices)
+    assert 2 <= sampled.usage.completion_tokens <= 2 * SHORT
+
+    # stop: cut the greedy completion at a word it is known to contain
+    reference = offline["completions"][1]
+    words = reference.split()
+    stop = words[len(words) // 2] if len(words) > 2 else words[-1]
+    stopped = client.completions.create(model=live.model, prompt=COMPLETION_PROMPTS[1], max_tokens=MAX_TOKENS,
+                                        temperature=0, stop=[stop])
+    assert stopped.choices[0].text == reference[: reference.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+
+    # seed: temperature 1 with a seed is reproducible
+    def seeded() -> str:
+        return client.completions.create(model=live.model, prompt="My favourite animal is", max_tokens=SHORT,
+                                         temperature=1.0, seed=42).choices[0].text
+
+    first = seeded()
+    assert first and seeded() == first
+
+
+def test_logprobs(live):
+    client = live.client()
+    completion = client.completions.create(model=live.model, prompt="The sun rises in the", max_tokens=SHORT,
+                                           temperature=0, logprobs=2)
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == completion.usage.completion_tokens
+    assert "".join(logprobs.tokens) == completion.choices[0].text
+    for lp, top in zip(logprobs.token_logprobs, logprobs.top_logprobs):
+        assert lp <= 0 and 2 <= len(top) <= 3
+        assert max(top.values()) == pytest.approx(lp, abs=1e-4)  # greedy: the chosen token is the top one
+
+    chat = client.chat.completions.create(model=live.model, messages=CHAT_MESSAGES[0], max_tokens=SHORT,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
+
+
+# ---- many at once ----------------------------------------------------------------------------------------
+def test_32_concurrent_streams_match_offline(live, offline):
+    """32 streams at once (each prompt 4 times, completions and chats): each greedy output equals the
+    offline engine's for the same prompt, whatever else shared its batches."""
+    client = openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key=API_KEY, max_retries=0, timeout=600,
+                                http_client=httpx.AsyncClient(trust_env=False,
+                                                              limits=httpx.Limits(max_connections=64)))
+
+    async def completion(prompt: str) -> str:
+        stream = await client.completions.create(model=live.model, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                 temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def chat(messages: list[dict[str, str]]) -> str:
+        stream = await client.chat.completions.create(model=live.model, messages=messages, max_tokens=MAX_TOKENS,
+                                                      temperature=0, stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def run() -> tuple[list[str], list[str]]:
+        async with client:
+            jobs = [completion(p) for p in COMPLETION_PROMPTS * 4] + [chat(m) for m in CHAT_MESSAGES * 4]
+            results = await asyncio.gather(*jobs)
+        return results[:16], results[16:]
+
+    before = live.metrics()
+    completions, chats = asyncio.run(run())
+    assert completions == offline["completions"] * 4
+    assert chats == offline["chats"] * 4
+    after = live.metrics()
+    assert after["tinyvllm:generation_tokens_total"] > before["tinyvllm:generation_tokens_total"]
+    assert after["tinyvllm:prefix_cache_hits_total"] > before["tinyvllm:prefix_cache_hits_total"]
+
+
+# ---- errors ----------------------------------------------------------------------------------------------
+def _assert_error(response: Any, status: int, param: str | None = "any") -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status and error["message"] and error["type"]
+    if param != "any":
+        assert error["param"] == param
+
+
+def test_errors_then_good_requests(live):
+    """Every error with its status and body, each followed by a request that succeeds; a stream in flight
+    meanwhile is not disturbed."""
+    http = live.http()
+    good = {"model": live.model, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
+
+    def check_good() -> None:
+        response = http.post("/v1/completions", json=good)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 1
+
+    async def background_stream() -> str:
+        async with httpx.AsyncClient(base_url=live.url, headers={"Authorization": f"Bearer {API_KEY}"},
+                                     timeout=300, trust_env=False) as client:
+            text = []
+            async with client.stream("POST", "/v1/completions", json={
+                    **good, "prompt": COMPLETION_PROMPTS[2], "max_tokens": MAX_TOKENS, "stream": True}) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        text.append(json.loads(line[6:])["choices"][0]["text"])
+            return "".join(text)
+
+    def errors() -> None:
+        cases = [
+            (lambda: http.post("/v1/completions", content=b'{"prompt": "Hi", ', headers={
+                "Content-Type": "application/json"}), 400, None),
+            (lambda: http.post("/v1/completions", json={"model": live.model, "max_tokens": 2}), 400, "prompt"),
+            (lambda: http.post("/v1/chat/completions", json={"model": live.model}), 400, "messages"),
+            (lambda: http.post("/v1/completions", json={**good, "temperature": -0.5}), 400, "temperature"),
+            (lambda: http.post("/v1/completions", json={**good, "temperature": "hot"}), 400, "temperature"),
+            (lambda: http.post("/v1/completions", json={**good, "max_tokens": 0}), 400, "max_tokens"),
+            (lambda: http.post("/v1/completions", json={**good, "prompt": [5] * 9000}), 400, "prompt"),
+            (lambda: http.post("/v1/completions", json={**good, "prompt": [5] * 8000, "max_tokens": 500}), 400,
+             "max_tokens"),
+            (lambda: http.post("/v1/completions", json={**good, "prompt": [10**9]}), 400, "any"),
+            (lambda: http.post("/v1/completions", json={**good, "model": "gpt-5"}), 404, "model"),
+            (lambda: http.post("/v1/chat/completions", json={
+                "model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}), 404, "model"),
+            (lambda: live.http(key=None).post("/v1/completions", json=good), 401, "any"),
+            (lambda: live.http(key="wrong-key").post("/v1/completions", json=good), 401, "any"),
+            (lambda: live.http(key=None).get("/v1/models"), 401, "any"),
+        ]
+        for send, status, param in cases:
+            _assert_error(send(), status, param)
+            check_good()
+
+    async def run() -> str:
+        stream = asyncio.create_task(background_stream())
+        await asyncio.to_thread(errors)
+        return await stream
+
+    assert asyncio.run(run()) == live.client().completions.create(
+        model=live.model, prompt=COMPLETION_PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0).choices[0].text
+    # the open paths need no key, and the openai client surfaces our errors as its exceptions
+    assert live.http(key=None).get("/metrics").status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        live.client().completions.create(model="gpt-5", prompt="Hi", max_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        live.client().completions.create(model=live.model, prompt="Hi", max_tokens=1, temperature=-1)
+
+
+# ---- aborts and metrics --------------------------------------------------------------------------------
+def _wait_idle(live: Server, timeout: float = 10.0) -> dict[str, float]:
+    deadline = time.time() + timeout
+    while True:
+        m = live.metrics()
+        idle = (m["tinyvllm:num_requests_running"] == 0 and m["tinyvllm:num_requests_waiting"] == 0
+                and m["tinyvllm:kv_cache_usage_perc"] == 0)
+        if idle or time.time() > deadline:
+            return m
+        time.sleep(0.2)
+
+
+def test_client_disconnect_aborts_and_frees_kv(live):
+    start = _wait_idle(live)
+    body = {"model": live.model, "prompt": "Write a long story about a dragon.", "max_tokens": 400,
+            "ignore_eos": True, "temperature": 0}
+    # streamed: read a few chunks, then drop the connection
+    with live.http() as http, http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        lines = 0
+        for line in response.iter_lines():
+            lines += line.startswith("data: ")
+            if lines == 3:
+                break
+    m = _wait_idle(live)
+    assert m["tinyvllm:num_requests_running"] == 0 and m["tinyvllm:kv_cache_usage_perc"] == 0, m
+    generated = m["tinyvllm:generation_tokens_total"] - start["tinyvllm:generation_tokens_total"]
+    assert generated < 100  # aborted, not run to its 400 tokens
+
+    # not streamed: the client gives up waiting
+    with pytest.raises(httpx.TimeoutException), live.http() as http:
+        http.post("/v1/completions", json=body, timeout=2.0)
+    m2 = _wait_idle(live)
+    assert m2["tinyvllm:num_requests_running"] == 0 and m2["tinyvllm:kv_cache_usage_perc"] == 0, m2
+    assert m2["tinyvllm:generation_tokens_total"] - m["tinyvllm:generation_tokens_total"] < 100
+    assert m2["tinyvllm:num_free_kv_blocks"] == m2["tinyvllm:num_kv_blocks"]
+
+
+def test_metrics_parse_and_move(live):
+    text = live.http(key=None).get("/metrics").text
+    families = {f.name: f for f in prometheus_parser.text_string_to_metric_families(text)}
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens",
+                 "generation_tokens", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
+                 "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        assert f"tinyvllm:{name}" in families, name
+    assert families["tinyvllm:prompt_tokens"].type == "counter"
+    assert families["tinyvllm:time_to_first_token_seconds"].type == "histogram"
+    before = live.metrics()
+    live.http().post("/v1/completions", json={"model": live.model, "prompt": "Count: one, two,", "max_tokens": 4,
+                                              "temperature": 0, "ignore_eos": True}).raise_for_status()
+    after = live.metrics()
+
+    def moved(name: str) -> float:
+        return after[f"tinyvllm:{name}"] - before[f"tinyvllm:{name}"]
+
+    assert moved("prompt_tokens_total") > 0
+    assert moved("prefix_cache_queries_total") > 0
+    assert moved("generation_tokens_total") == 4
+    assert moved("time_to_first_token_seconds_count") == 1
+    assert moved("inter_token_latency_seconds_count") == 3  # one per token after the first
+    assert moved("e2e_request_latency_seconds_count") == 1
+    assert moved("time_to_first_token_seconds_sum") > 0
+
+
+# ---- the load generator ----------------------------------------------------------------------------------
+def test_bench_serve(live, tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "tinyvllm.cli", "bench", "serve", "--base-url", live.url, "--api-key", API_KEY,
+         "--num-prompts", "4", "--concurrency", "2", "--max-tokens", "4", "--input-len", "8",
+         "--duration-limit", "120", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=_single_threaded_env())
+    assert result.returncode == 0, result.stdout + result.stderr
+    for label in ("Successful requests:", "Request throughput (req/s):", "Output token throughput (tok/s):",
+                  "Median TTFT (ms):", "P99 TPOT (ms):", "P90 ITL (ms):"):
+        assert label in result.stdout, result.stdout
+    summary = json.loads(out.read_text())
+    assert summary["completed"] == 4 and summary["failed"] == 0
+    assert summary["total_output_tokens"] == 16 and summary["total_input_tokens"] == 32
+    assert summary["ttft_ms"]["median"] > 0
+
+
+# ---- last: shutdown ---------------------------------------------------------------------------------------
+def test_graceful_shutdown_on_sigterm(live):
+    """SIGTERM with a stream in flight: the stream ends, the process exits 0 within a few seconds."""
+    with live.http() as http, http.stream("POST", "/v1/completions", json={
+            "model": live.model, "prompt": "Tell me everything.", "max_tokens": 400, "ignore_eos": True,
+            "stream": True}) as response:
+        lines = []
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line)
+                if len(lines) == 2:
+                    live.process.send_signal(signal.SIGTERM)
+                    start = time.time()
+        assert lines[-1] == "data: [DONE]"
+        assert len(lines) < 100
+    assert live.process.wait(timeout=15) == 0, live.log()
+    assert time.time() - start < 15

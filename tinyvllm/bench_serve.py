@@ -1,0 +1,296 @@
+"""`tinyvllm bench serve`: load for any OpenAI-compatible server, measured as `vllm bench serve` does.
+
+Sends `--num-prompts` streamed requests of random prompts (`--input-len` tokens, or words) asking for
+`--max-tokens` tokens each (ignore_eos, so every request generates all of them), either all at once,
+at most `--concurrency` at a time, or arriving as a Poisson process of `--request-rate` per second;
+stops after `--duration-limit` seconds whatever is left. Reports request and token throughput and, at
+mean/median/p90/p99: time to first token (TTFT), time per output token after the first (TPOT), the gap
+between consecutive streamed chunks (ITL) and end-to-end latency (E2EL)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Common English words: a words prompt of L words is about L tokens for a BPE tokenizer.
+WORDS = (
+    "the of and to in is you that it he was for on are as with his they at be this have from or one had by "
+    "word but not what all were we when your can said there use an each which she do how their if will up "
+    "other about out many then them these so some her would make like him into time has look two more write "
+    "go see number no way could people my than first water been call who oil its now find long down day did "
+    "get come made may part over new sound take only little work know place year live me back give most very "
+    "after thing our just name good sentence man think say great where help through much before line right "
+    "too mean old any same tell boy follow came want show also around form three small set put end does "
+    "another well large must big even such because turn here why ask went men read need land different home "
+    "us move try kind hand picture again change off play spell air away animal house point page letter mother "
+    "answer found study still learn should world high every near add food between own below country plant"
+).split()
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default: loopback)")
+    parser.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    parser.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    parser.add_argument("--api-key", default=None, help="bearer key (default: $OPENAI_API_KEY if set)")
+    parser.add_argument("--num-prompts", type=int, default=32, help="requests to send")
+    parser.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
+    parser.add_argument("--request-rate", type=float, default=math.inf,
+                        help="requests per second, Poisson arrivals (default: all at once)")
+    parser.add_argument("--input-len", type=int, default=128, help="prompt length, tokens (or words)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate per request")
+    parser.add_argument("--prompt-kind", default=None, choices=["tokens", "words"],
+                        help="random token ids (completions only; drawn via the server's /tokenize) or random "
+                             "words (default: tokens for completions, words for chat)")
+    parser.add_argument("--duration-limit", type=float, default=600.0,
+                        help="stop after this many seconds; requests still running then count as cut off")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write the results to FILE")
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    start: float = 0.0  # seconds since the benchmark began
+
+
+async def _send(client: Any, url: str, payload: dict[str, Any], headers: dict[str, str], t0: float,
+                chat: bool) -> RequestResult:
+    import httpx
+
+    result = RequestResult(start=time.perf_counter() - t0)
+    start = time.perf_counter()
+    last = start
+    chunks = 0
+    usage = None
+    try:
+        async with client.stream("POST", url, json=payload, headers=headers) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {body[:300]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = str(chunk["error"].get("message", chunk["error"]))
+                    return result
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices") or []:
+                    text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                    if text:
+                        now = time.perf_counter()
+                        if chunks == 0:
+                            result.ttft = now - start
+                        else:
+                            result.itl.append(now - last)
+                        last = now
+                        chunks += 1
+    except (httpx.HTTPError, OSError, json.JSONDecodeError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    result.latency = time.perf_counter() - start
+    if chunks == 0:
+        result.error = "no text came back"
+        return result
+    result.ok = True
+    result.output_tokens = usage["completion_tokens"] if usage else chunks
+    result.prompt_tokens = usage["prompt_tokens"] if usage else 0
+    return result
+
+
+async def _token_prompts(client: Any, base_url: str, model: str, headers: dict[str, str], num: int,
+                         length: int, rng: random.Random) -> list[list[int]]:
+    """Random prompts of real token ids: words through the server's tokenizer, then drawn at random."""
+    text = " ".join(rng.choice(WORDS) for _ in range(400))
+    response = await client.post(f"{base_url}/tokenize", json={"model": model, "prompt": text,
+                                                               "add_special_tokens": False}, headers=headers)
+    if response.status_code != 200:
+        raise RuntimeError(f"{base_url}/tokenize answered {response.status_code}: give --prompt-kind words")
+    pool = sorted(set(response.json()["tokens"]))
+    return [[rng.choice(pool) for _ in range(length)] for _ in range(num)]
+
+
+async def _model_name(client: Any, base_url: str, headers: dict[str, str]) -> str:
+    response = await client.get(f"{base_url}/v1/models", headers=headers)
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
+    base_url = args.base_url.rstrip("/")
+    if base_url.endswith("/v1"):
+        base_url = base_url[:-3]
+    chat = args.endpoint == "chat"
+    kind = args.prompt_kind or ("words" if chat else "tokens")
+    if chat and kind == "tokens":
+        raise ValueError("the chat endpoint takes text: use --prompt-kind words")
+    for name in ("num_prompts", "input_len", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.concurrency is not None and args.concurrency < 1:
+        raise ValueError("--concurrency must be at least 1")
+    if not args.request_rate > 0:
+        raise ValueError("--request-rate must be > 0")
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    rng = random.Random(args.seed)
+    limits = httpx.Limits(max_connections=args.concurrency or args.num_prompts, max_keepalive_connections=None)
+    timeout = httpx.Timeout(args.duration_limit + 30.0, connect=10.0)
+    # trust_env=False: a proxy from the environment must not sit between us and a loopback server.
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+        model = args.model or await _model_name(client, base_url, headers)
+        if kind == "tokens":
+            prompts: list[Any] = await _token_prompts(client, base_url, model, headers, args.num_prompts,
+                                                      args.input_len, rng)
+        else:
+            prompts = [" ".join(rng.choice(WORDS) for _ in range(args.input_len)) for _ in range(args.num_prompts)]
+        url = f"{base_url}/v1/chat/completions" if chat else f"{base_url}/v1/completions"
+        common = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature,
+                  "ignore_eos": not args.no_ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
+        payloads = [{**common, "messages": [{"role": "user", "content": p}]} if chat else {**common, "prompt": p}
+                    for p in prompts]
+
+        semaphore = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+        t0 = time.perf_counter()
+        deadline = t0 + args.duration_limit
+
+        async def one(payload: dict[str, Any]) -> RequestResult:
+            if semaphore is None:
+                return await _send(client, url, payload, headers, t0, chat)
+            async with semaphore:
+                return await _send(client, url, payload, headers, t0, chat)
+
+        tasks: list[asyncio.Task[RequestResult]] = []
+        for payload in payloads:
+            if time.perf_counter() >= deadline:
+                break
+            tasks.append(asyncio.create_task(one(payload)))
+            if math.isfinite(args.request_rate):
+                await asyncio.sleep(min(rng.expovariate(args.request_rate), max(0.0, deadline - time.perf_counter())))
+        _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter())) if tasks else (
+            set(), set())
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        duration = time.perf_counter() - t0
+    results = [t.result() for t in tasks if not t.cancelled()]
+    summary = summarize(results, duration, args.num_prompts)
+    summary["config"] = {"base_url": base_url, "endpoint": args.endpoint, "model": model, "prompt_kind": kind,
+                         "num_prompts": args.num_prompts, "concurrency": args.concurrency,
+                         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+                         "input_len": args.input_len, "max_tokens": args.max_tokens,
+                         "duration_limit": args.duration_limit, "ignore_eos": not args.no_ignore_eos}
+    summary["requests"] = [asdict(r) for r in results]
+    return summary
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    import numpy as np
+
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
+    a = np.asarray(values) * 1000.0
+    return {"mean": float(a.mean()), "median": float(np.median(a)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99))}
+
+
+def summarize(results: list[RequestResult], duration: float, num_prompts: int) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    input_tokens = sum(r.prompt_tokens for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    # The last successful request's end, not the cut-off: throughput over the time work was done.
+    end = max((r.start + r.latency for r in ok), default=duration)
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    errors = sorted({r.error for r in results if not r.ok})
+    return {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "cut_off": num_prompts - len(results),
+        "duration_s": end,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(ok) / end if end > 0 else 0.0,
+        "output_throughput": output_tokens / end if end > 0 else 0.0,
+        "total_token_throughput": (input_tokens + output_tokens) / end if end > 0 else 0.0,
+        "ttft_ms": _stats([r.ttft for r in ok]),
+        "tpot_ms": _stats(tpots),
+        "itl_ms": _stats([x for r in ok for x in r.itl]),
+        "e2el_ms": _stats([r.latency for r in ok]),
+        "errors": errors[:10],
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    lines = ["{s:{c}^50}".format(s=" Serving Benchmark Result ", c="=")]
+
+    def row(label: str, value: Any) -> None:
+        lines.append(f"{label:<40}{value:<10.2f}" if isinstance(value, float) else f"{label:<40}{value:<10}")
+
+    row("Successful requests:", s["completed"])
+    if s["failed"]:
+        row("Failed requests:", s["failed"])
+    if s["cut_off"]:
+        row("Cut off by --duration-limit:", s["cut_off"])
+    row("Benchmark duration (s):", s["duration_s"])
+    row("Total input tokens:", s["total_input_tokens"])
+    row("Total generated tokens:", s["total_output_tokens"])
+    row("Request throughput (req/s):", s["request_throughput"])
+    row("Output token throughput (tok/s):", s["output_throughput"])
+    row("Total token throughput (tok/s):", s["total_token_throughput"])
+    for key, title, short in (("ttft_ms", "Time to First Token", "TTFT"),
+                              ("tpot_ms", "Time per Output Token (excl. 1st token)", "TPOT"),
+                              ("itl_ms", "Inter-token Latency", "ITL"), ("e2el_ms", "End-to-end Latency", "E2EL")):
+        lines.append("{s:{c}^50}".format(s=f" {title} ", c="-"))
+        values = s[key]
+        row(f"Mean {short} (ms):", values["mean"])
+        row(f"Median {short} (ms):", values["median"])
+        row(f"P90 {short} (ms):", values["p90"])
+        row(f"P99 {short} (ms):", values["p99"])
+    lines.append("=" * 50)
+    for error in s["errors"]:
+        lines.append(f"error: {error}")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    import httpx
+
+    try:
+        summary = asyncio.run(run_benchmark(args))
+    except (httpx.HTTPError, OSError, RuntimeError) as e:
+        print(f"error: cannot benchmark {args.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(format_summary(summary), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0 if summary["completed"] else 1
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="tinyvllm bench serve", description=__doc__)
+    add_cli_args(parser)
+    sys.exit(main(parser.parse_args()))

@@ -1,0 +1,326 @@
+"""AsyncLLMEngine: the engine behind an asyncio server.
+
+One thread owns the LLMEngine. Between steps it takes the commands that have arrived (add, abort) from a
+queue, then runs the blocking `step()`; so the engine is never touched by two threads at once, and the
+event loop never waits on a forward pass. Outputs go back to the event loop once per step (one
+`call_soon_threadsafe`), where each lands in the asyncio.Queue of the RequestStream that asked for it.
+
+    add_requests() --_Add--> command queue --> engine thread: add_request / abort_request / step()
+         ^                                                         |
+         +-- RequestStream's asyncio.Queue <-- call_soon_threadsafe(deliver, outputs) --+
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from tinyvllm.config import EngineConfig
+from tinyvllm.engine.llm_engine import LLMEngine
+from tinyvllm.outputs import RequestOutput
+from tinyvllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (shut down, or crashed): no request can be served."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The server aborted the request (it is shutting down, or the engine failed) before it finished."""
+
+
+@dataclasses.dataclass
+class _Failure:
+    request_id: str
+    error: BaseException
+
+
+@dataclasses.dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    future: asyncio.Future[None]
+
+
+@dataclasses.dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclasses.dataclass
+class _AbortAll:
+    reason: str
+
+
+class _Stop:
+    pass
+
+
+class RequestStream:
+    """The outputs of one or more engine requests (one per prompt of an HTTP request), in the order the
+    engine produced them; iteration ends when all have finished. `abort()` stops whatever is unfinished:
+    call it in a `finally`, it does nothing once everything has finished."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_ids: list[str]) -> None:
+        self._engine = engine
+        self.request_ids = request_ids
+        self._queue: asyncio.Queue[RequestOutput | _Failure] = asyncio.Queue()
+        self._unfinished = set(request_ids)
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, _Failure):
+            self._unfinished.discard(item.request_id)  # the engine has already dropped it
+            self.abort()
+            raise item.error
+        if item.finished:
+            self._unfinished.discard(item.request_id)
+            self._engine._forget([item.request_id])
+        return item
+
+    def abort(self) -> None:
+        if self._unfinished:
+            ids = list(self._unfinished)
+            self._unfinished.clear()
+            self._engine._forget(ids)
+            self._engine._commands.put(_Abort(ids))
+
+
+class AsyncLLMEngine:
+    """Streams RequestOutputs with output_kind="delta" (each carries only what is new) to asyncio code."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        # A private copy, so that the server can tokenize and render chat templates on the event loop
+        # while the engine thread detokenizes with its own (a fast tokenizer is not safe to share).
+        self.tokenizer: Any = copy.deepcopy(engine.tokenizer)
+        self.model_path = engine.model_path
+        self.max_model_len = engine.max_model_len
+        self.model_config = engine.model_config
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # Touched on the event loop only: whose outputs go where, and the adds not yet confirmed.
+        self._streams: dict[str, RequestStream] = {}
+        self._pending_adds: dict[str, asyncio.Future[None]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stats: dict[str, float] = engine.get_stats()
+        self._accepting = True
+        self.dead_reason: str | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
+        return cls(LLMEngine(config))
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; outputs are delivered on the event loop this is called from."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="tinyvllm-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead_reason is None
+
+    def stop_accepting(self, reason: str = "the server is shutting down") -> None:
+        """Refuse new requests and abort those in flight. Safe in a signal handler: it only sets a flag
+        and puts a command on a queue."""
+        self._accepting = False
+        self._commands.put(_AbortAll(reason))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort everything and stop the engine thread (after the step it is in, if any)."""
+        self._accepting = False
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return
+        self._commands.put(_AbortAll("the server is shutting down"))
+        self._commands.put(_Stop())
+        thread.join(timeout)
+        if thread.is_alive():
+            logger.warning("the engine thread did not stop within %.0f s", timeout)
+
+    # ---- requests ---------------------------------------------------------------------------------
+    async def add_requests(self, requests: Sequence[tuple[str, str | list[int], SamplingParams]]) -> RequestStream:
+        """Queue requests (request_id, prompt, params) and return the stream of their outputs. If the
+        engine refuses any of them (ValueError: a bad prompt or params), none is kept and the error is
+        raised here, before any output."""
+        if not self._accepting:
+            raise EngineDeadError("the server is shutting down")
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running ({self.dead_reason or 'not started'})")
+        ids = [request_id for request_id, _, _ in requests]
+        if len(set(ids)) != len(ids) or any(i in self._streams for i in ids):
+            raise ValueError("request ids must be unique")
+        assert self._loop is not None
+        stream = RequestStream(self, ids)
+        futures = []
+        for request_id, prompt, params in requests:  # no await in this loop: see _fail_all
+            future = self._loop.create_future()
+            self._streams[request_id] = stream
+            self._pending_adds[request_id] = future
+            futures.append(future)
+            self._commands.put(_Add(request_id, prompt, params, future))
+        try:
+            results = await asyncio.gather(*futures, return_exceptions=True)
+        except BaseException:  # cancelled: the client went away while we waited
+            stream.abort()
+            raise
+        finally:
+            for request_id in ids:
+                self._pending_adds.pop(request_id, None)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            stream.abort()
+            raise errors[0]
+        return stream
+
+    async def generate(self, request_id: str, prompt: str | list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """One request's outputs as the engine produces them; leaving the loop early aborts it."""
+        stream = await self.add_requests([(request_id, prompt, params)])
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (nothing happens if it is unknown or already finished)."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.abort()
+        else:
+            self._commands.put(_Abort([request_id]))
+
+    def get_stats(self) -> dict[str, float]:
+        """The engine's counters and gauges as of its latest step."""
+        return dict(self._stats)
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._streams)
+
+    def _forget(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._streams.pop(request_id, None)
+
+    # ---- the engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                block = not engine.has_unfinished_requests()  # idle: sleep until a command arrives
+                while True:
+                    try:
+                        command = self._commands.get(block=block, timeout=1.0 if block else None)
+                    except queue.Empty:
+                        break
+                    if isinstance(command, _Stop):
+                        self._abort_all("the engine stopped")
+                        return
+                    self._handle(command)
+                    block = False
+                if not engine.has_unfinished_requests():
+                    continue
+                try:
+                    outputs = engine.step()
+                except Exception as e:  # an engine bug: fail what is in flight, keep serving
+                    logger.exception("engine step failed")
+                    self._abort_all(f"the engine failed: {type(e).__name__}: {e}")
+                    continue
+                for output in outputs:  # freeze the timings that the event loop will read
+                    if output.metrics is not None:
+                        output.metrics = dataclasses.replace(output.metrics)
+                self._stats = engine.get_stats()
+                if outputs:
+                    self._post(self._deliver, outputs)
+        except BaseException as e:
+            self.dead_reason = f"{type(e).__name__}: {e}"
+            logger.exception("the engine thread died")
+        finally:
+            self.dead_reason = self.dead_reason or "the engine stopped"
+            self._stats = engine.get_stats()
+            self._post(self._fail_all, EngineDeadError(self.dead_reason))
+
+    def _handle(self, command: Any) -> None:
+        engine = self.engine
+        if isinstance(command, _Add):
+            try:
+                engine.add_request(command.request_id, command.prompt, command.params, output_kind="delta")
+            except Exception as e:
+                self._post(_set_exception, command.future, e)
+            else:
+                self._post(_set_result, command.future)
+        elif isinstance(command, _Abort):
+            for request_id in command.request_ids:
+                engine.abort_request(request_id)
+        elif isinstance(command, _AbortAll):
+            self._abort_all(command.reason)
+        self._stats = engine.get_stats()
+
+    def _abort_all(self, reason: str) -> None:
+        ids = list(self.engine.requests)
+        for request_id in ids:
+            self.engine.abort_request(request_id)
+        if ids:
+            self._post(self._fail, ids, RequestAbortedError(reason))
+
+    def _post(self, callback: Any, *args: Any) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+    # ---- on the event loop ------------------------------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream._queue.put_nowait(output)
+
+    def _fail(self, request_ids: list[str], error: BaseException) -> None:
+        for request_id in request_ids:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream._queue.put_nowait(_Failure(request_id, error))
+
+    def _fail_all(self, error: BaseException) -> None:
+        """The engine thread is gone: fail every add still waiting and every stream still open. (An add
+        registered after this ran sees is_running False first, since both run on the event loop.)"""
+        for future in self._pending_adds.values():
+            _set_exception(future, error)
+        self._fail(list(self._streams), error)
+
+
+def _set_result(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _set_exception(future: asyncio.Future[None], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
