@@ -43,6 +43,8 @@ def paged_attention_ref(
 ) -> torch.Tensor:
     """q [T, Hq, D] -> out [T, Hq, D]: each new token attends causally to every earlier token of its
     sequence in the cache (its own K/V included, already stored), grouped-query heads sharing KV."""
+    if meta.is_decode and q.shape[0] == meta.num_seqs:
+        return _decode_ref(q, k_cache, v_cache, meta, scale)
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     block_size = k_cache.shape[1]
     group = num_q_heads // k_cache.shape[2]
@@ -65,6 +67,29 @@ def paged_attention_ref(
         scores = scores.masked_fill(~causal, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
     return out
+
+
+def _decode_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """One new token per sequence: the whole batch at once over its padded block tables (a Python loop
+    over sequences would cost more than the arithmetic on the CPU)."""
+    num_seqs, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    num_blocks = min((meta.max_context_len + block_size - 1) // block_size, meta.block_tables.shape[1])
+    blocks = meta.block_tables[:, :num_blocks].long()
+    length = num_blocks * block_size
+    k = k_cache[blocks].reshape(num_seqs, length, num_kv_heads, head_dim).float()
+    v = v_cache[blocks].reshape(num_seqs, length, num_kv_heads, head_dim).float()
+    query = q.float().view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bhgd,blhd->bhgl", query, k) * scale
+    visible = torch.arange(length, device=q.device)[None, :] < meta.context_lens[:, None]
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = scores.softmax(-1).nan_to_num(0.0)  # a padding row (context 0) attends to nothing: zeros
+    v = v.masked_fill(~visible[:, :, None, None], 0.0)  # slots past the context may hold anything, even NaN
+    out = torch.einsum("bhgl,blhd->bhgd", probs, v)
+    return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
