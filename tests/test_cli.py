@@ -48,3 +48,13 @@ def test_bad_arguments_give_a_clear_error(tiny_text_checkpoint):
     assert proc.returncode == 2 and "temperature" in proc.stderr
     proc = tinyvllm("generate", "Hello", "--model", "/no/such/dir")
     assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+def test_bench_latency_and_throughput_on_a_small_model(tiny_text_checkpoint):
+    proc = tinyvllm("bench", "latency", "--model", tiny_text_checkpoint, "--input-len", "16", "--output-len", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert "TPOT median" in proc.stdout
+    proc = tinyvllm("bench", "throughput", "--model", tiny_text_checkpoint, "--num-prompts", "8",
+                    "--max-input-len", "40", "--max-output-len", "10")
+    assert proc.returncode == 0, proc.stderr
+    assert "output tok/s" in proc.stdout

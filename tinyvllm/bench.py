@@ -48,18 +48,24 @@ def run_latency(llm: Any, prompt_len: int = 128, output_len: int = 256, seed: in
 
 def throughput_workload(num_prompts: int = 256, min_input: int = 100, max_input: int = 1024,
                         min_output: int = 100, max_output: int = 1024, seed: int = 0,
-                        temperature: float = 0.6) -> tuple[list[list[int]], list[SamplingParams]]:
+                        temperature: float = 0.6,
+                        vocab_size: int = 10001) -> tuple[list[list[int]], list[SamplingParams]]:
     """nano-vllm's bench.py: random token prompts and random output lengths, ignore_eos."""
     random.seed(seed)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(min_input, max_input))]
+    top = min(10000, vocab_size - 1)
+    prompts = [[random.randint(0, top) for _ in range(random.randint(min(min_input, max_input), max_input))]
                for _ in range(num_prompts)]
     params = [SamplingParams(temperature=temperature, ignore_eos=True,
-                             max_tokens=random.randint(min_output, max_output)) for _ in range(num_prompts)]
+                             max_tokens=random.randint(min(min_output, max_output), max_output))
+              for _ in range(num_prompts)]
     return prompts, params
 
 
 def run_throughput(llm: Any, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, float]:
-    llm.generate(prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
+    # Warm-up on a slice of the workload, so that Triton compiles the kernel variants it will meet
+    # (prefill, mixed, decode with and without split combining) before the clock starts.
+    warm = prompts[: min(32, len(prompts))]
+    llm.generate(warm, SamplingParams(max_tokens=32, ignore_eos=True), use_tqdm=False)
     _sync(llm)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -119,6 +119,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
+def cmd_bench_latency(args: argparse.Namespace) -> int:
+    from tinyvllm import LLM
+    from tinyvllm.bench import run_latency
+
+    llm = LLM(**engine_kwargs(args), skip_tokenizer_init=True)
+    r = run_latency(llm, args.input_len, args.output_len)
+    print(f"latency, batch 1, {args.input_len} prompt tokens, {args.output_len} output tokens: "
+          f"TTFT {r['ttft_ms']:.2f} ms, TPOT median {r['tpot_ms_median']:.3f} ms ({r['tok_per_s']:.1f} tok/s)")
+    return 0
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from tinyvllm import LLM
+    from tinyvllm.bench import run_throughput, throughput_workload
+
+    llm = LLM(**engine_kwargs(args), skip_tokenizer_init=True)
+    prompts, params = throughput_workload(args.num_prompts, max_input=args.max_input_len,
+                                          max_output=args.max_output_len,
+                                          vocab_size=llm.llm_engine.model_config.vocab_size)
+    r = run_throughput(llm, prompts, params)
+    print(f"throughput, {args.num_prompts} prompts ({r['prompt_tokens']} tokens): {r['output_tokens']} output "
+          f"tokens in {r['seconds']:.2f} s = {r['output_tok_per_s']:,.1f} output tok/s, {r['preemptions']} preemptions")
+    return 0
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from tinyvllm.bench_serve import main as bench_serve_main
 
@@ -167,6 +192,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench_sub.add_parser("serve", help="load an OpenAI-compatible server and report throughput and latency")
     add_bench_serve_args(p)
     p.set_defaults(func=cmd_bench_serve)
+
+    p = bench_sub.add_parser("latency", help="batch-1 time to first token and time per output token")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=256)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_bench_latency)
+
+    p = bench_sub.add_parser("throughput", help="offline output tokens per second (nano-vllm's bench workload)")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--max-output-len", type=int, default=1024)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_bench_throughput)
     return parser
 
 

@@ -1,0 +1,62 @@
+"""shared-prefix (shared/BENCHMARKS.md): 256 requests sharing a 1,024-token system prompt, each with its
+own 64-token question, 128 output tokens; output tok/s and time to first token with prefix caching on
+and off, in the same run. `--small` is the scaled-down CPU version on the embedded model."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from common import commit, gpu_name
+
+
+def run(llm, prompts, max_tokens):
+    from tinyvllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    # Warm-up with one request of the workload: the system prompt is then hot, as on a server that has
+    # answered it before (requests admitted in the same step cannot share blocks not yet computed).
+    llm.generate(prompts[:1], params, use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts[1:], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    stats = llm.llm_engine.get_stats()
+    hit_rate = stats["prefix_cache_hits"] / max(stats["prefix_cache_queries"], 1)
+    return {"output_tok_per_s": generated / seconds, "seconds": seconds,
+            "ttft_median_ms": statistics.median(ttft) * 1e3, "hit_rate": hit_rate}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--small", action="store_true", help="CPU: embedded model, 16 requests, 256-token prefix")
+    args = parser.parse_args()
+    from tinyvllm import LLM
+
+    if args.small:
+        path, n, prefix_len, question_len, out_len, kwargs = None, 16, 256, 32, 16, {"device": "cpu"}
+    else:
+        from common import random_llama_1b
+
+        path, n, prefix_len, question_len, out_len = random_llama_1b(), 256, 1024, 64, 128
+        kwargs = {"skip_tokenizer_init": True, "max_model_len": 4096}
+    rng = random.Random(0)
+    system = [rng.randrange(10000) for _ in range(prefix_len)]
+    prompts = [system + [rng.randrange(10000) for _ in range(question_len)] for _ in range(n)]
+    print(f"shared-prefix on {gpu_name()} at {commit()}: {n} requests, {prefix_len}-token shared prefix, "
+          f"{question_len}-token questions, {out_len} output tokens (one request warms the prefix first)")
+    results = {}
+    for caching in (True, False):
+        llm = LLM(path, enable_prefix_caching=caching, **kwargs)
+        r = results[caching] = run(llm, prompts, out_len)
+        print(f"  prefix caching {'on ' if caching else 'off'}: {r['output_tok_per_s']:,.0f} output tok/s "
+              f"({r['seconds']:.2f} s), median TTFT {r['ttft_median_ms']:.0f} ms, hit rate {r['hit_rate']:.0%}")
+        del llm
+    print(f"  on / off: {results[True]['output_tok_per_s'] / results[False]['output_tok_per_s']:.2f}x throughput")
+
+
+if __name__ == "__main__":
+    main()
