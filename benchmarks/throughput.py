@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--no-static", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--max-num-seqs", type=int, default=256,
                         help="below the number of prompts, static batching waits on each batch's longest request")
     parser.add_argument("--json", default=None)
@@ -53,11 +54,14 @@ def main() -> None:
 
     prompts, params = throughput_workload(args.num_prompts)
     result = {"commit": commit(), "gpu": gpu_name()}
-    print(f"throughput-{args.num_prompts} (max_num_seqs {args.max_num_seqs}) on {result['gpu']} at {result['commit']}: "
+    caching = "off" if args.no_prefix_caching else "on"
+    print(f"throughput-{args.num_prompts} (max_num_seqs {args.max_num_seqs}, prefix caching {caching}) "
+          f"on {result['gpu']} at {result['commit']}: "
           f"{sum(map(len, prompts))} prompt tokens, {sum(p.max_tokens for p in params)} output tokens")
     for scheduling in ("continuous",) + (() if args.no_static else ("static",)):
         llm = LLM(path, skip_tokenizer_init=True, scheduling=scheduling, enforce_eager=args.enforce_eager,
-                  max_model_len=4096, max_num_seqs=args.max_num_seqs)
+                  max_model_len=4096, max_num_seqs=args.max_num_seqs,
+                  enable_prefix_caching=not args.no_prefix_caching)
         r = run_throughput(llm, prompts, params)
         r["num_kv_blocks"] = llm.llm_engine.block_manager.num_blocks
         result[scheduling] = r
