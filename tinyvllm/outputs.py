@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -49,5 +49,3 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    # Text and tokens added since the previous output for this request, per completion (streaming).
-    deltas: list[tuple[str, list[int]]] = field(default_factory=list, repr=False)
