@@ -31,6 +31,43 @@ def hf_throughput(path: str, prompts: list[list[int]], max_new_tokens: int) -> d
     return {"output_tokens": generated, "seconds": seconds, "output_tok_per_s": generated / seconds}
 
 
+def trace_steps(llm) -> list[tuple[int, int, float]]:
+    """Wraps the engine so that each step records (sequences, tokens, seconds); returns the list it fills."""
+    engine = llm.llm_engine
+    records: list[tuple[int, int, float]] = []
+    schedule, step = engine.scheduler.schedule, engine.step
+    last: list = [None]
+
+    def traced_schedule():
+        last[0] = schedule()
+        return last[0]
+
+    def traced_step():
+        start = time.perf_counter()
+        outputs = step()
+        if last[0] is not None:
+            records.append((len(last[0].seqs), last[0].num_batched_tokens, time.perf_counter() - start))
+        return outputs
+
+    engine.scheduler.schedule, engine.step = traced_schedule, traced_step
+    return records
+
+
+def summarize_trace(records: list[tuple[int, int, float]]) -> dict[str, float]:
+    """Steps that only decode against steps that also prefill, and decode step time by batch size."""
+    decode = [r for r in records if r[0] == r[1]]
+    mixed = [r for r in records if r[0] != r[1]]
+    summary = {"steps": len(records), "decode_steps": len(decode), "decode_s": sum(r[2] for r in decode),
+               "mixed_steps": len(mixed), "mixed_s": sum(r[2] for r in mixed),
+               "mixed_tokens": sum(r[1] for r in mixed)}
+    for low, high in ((1, 64), (65, 128), (129, 192), (193, 256)):
+        times = [r[2] for r in decode if low <= r[0] <= high]
+        if times:
+            summary[f"decode {low}-{high} ms/step"] = 1e3 * sum(times) / len(times)
+            summary[f"decode {low}-{high} steps"] = len(times)
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None, help="default: the random-weight Llama-3.2-1B shape")
@@ -43,6 +80,7 @@ def main() -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--max-num-seqs", type=int, default=256,
                         help="below the number of prompts, static batching waits on each batch's longest request")
+    parser.add_argument("--trace", action="store_true", help="time every step: decode-only vs mixed, by batch")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     path = args.model or random_llama_1b()
@@ -62,7 +100,12 @@ def main() -> None:
         llm = LLM(path, skip_tokenizer_init=True, scheduling=scheduling, enforce_eager=args.enforce_eager,
                   max_model_len=4096, max_num_seqs=args.max_num_seqs,
                   enable_prefix_caching=not args.no_prefix_caching)
-        r = run_throughput(llm, prompts, params)
+        records = trace_steps(llm) if args.trace else None
+        r = run_throughput(llm, prompts, params, on_start=records.clear if records is not None else None)
+        if records is not None:
+            r["trace"] = summarize_trace(records)
+            print("    steps:", ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                         for k, v in r["trace"].items()))
         r["num_kv_blocks"] = llm.llm_engine.block_manager.num_blocks
         result[scheduling] = r
         print(f"  tinyvllm {scheduling}: {r['output_tok_per_s']:,.0f} output tok/s ({r['seconds']:.1f} s, "

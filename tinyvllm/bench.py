@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tinyvllm.sampling_params import SamplingParams
@@ -61,12 +62,15 @@ def throughput_workload(num_prompts: int = 256, min_input: int = 100, max_input:
     return prompts, params
 
 
-def run_throughput(llm: Any, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, float]:
+def run_throughput(llm: Any, prompts: list[list[int]], params: list[SamplingParams],
+                   on_start: Callable[[], None] | None = None) -> dict[str, float]:
     # Warm-up on a slice of the workload, so that Triton compiles the kernel variants it will meet
     # (prefill, mixed, decode with and without split combining) before the clock starts.
     warm = prompts[: min(32, len(prompts))]
     llm.generate(warm, SamplingParams(max_tokens=32, ignore_eos=True), use_tqdm=False)
     _sync(llm)
+    if on_start is not None:  # (benchmarks/throughput.py --trace: forget the warm-up's steps)
+        on_start()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     _sync(llm)

@@ -1,0 +1,185 @@
+"""Where a decode step's GPU time goes, on the Llama-3.2-1B-shaped random-weight model (H200).
+
+1. The matrix products at decode sizes, each through cuBLAS in the ways torch can call it: F.linear on the
+   [out, in] weight (what the model does), torch.matmul on an [in, out] copy, each with cuBLAS and with
+   cuBLASLt preferred. Sixteen distinct weights per shape, replayed in a CUDA graph, as the 16 layers are,
+   so that nothing is served from L2. Figures: microseconds per product and GB/s of weight read.
+2. The kernels of one eager decode step at batch 1 and 256 (torch.profiler, GPU time of each kernel),
+   against the same step replayed as a CUDA graph (CUDA events): the difference is the time between
+   kernels.
+
+    python benchmarks/profile_step.py [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+from common import commit, gpu_name, random_llama_1b
+
+LAYER_SHAPES = {"qkv_proj": (3072, 2048), "o_proj": (2048, 2048), "gate_up_proj": (16384, 2048),
+                "down_proj": (2048, 8192), "lm_head": (128256, 2048)}
+
+
+def graph_time_ms(fn, reps: int = 20) -> float:
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def bench_matmuls(batches: list[int]) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
+    rows = []
+    for name, (out_f, in_f) in LAYER_SHAPES.items():
+        copies = 4 if name == "lm_head" else 16
+        weights = [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        weights_t = [w.t().contiguous() for w in weights]
+        for m in batches:
+            x = torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16)
+            result = {"shape": name, "M": m, "N": out_f, "K": in_f}
+            for lib in ("cublas", "cublaslt"):
+                torch.backends.cuda.preferred_blas_library(lib)
+                variants = {"linear[out,in]": lambda x=x, ws=weights: [F.linear(x, w) for w in ws],
+                            "matmul[in,out]": lambda x=x, ws=weights_t: [torch.matmul(x, w) for w in ws]}
+                for variant, fn in variants.items():
+                    us = graph_time_ms(fn) / copies * 1e3
+                    result[f"{variant} {lib} us"] = us
+                    result[f"{variant} {lib} GB/s"] = out_f * in_f * 2 / us / 1e3
+            torch.backends.cuda.preferred_blas_library("cublas")
+            rows.append(result)
+            best = min((k for k in result if k.endswith(" us")), key=lambda k: result[k])
+            print(f"  {name:<13} M={m:<4} " + "  ".join(
+                f"{k[:-3]}: {result[k]:7.1f} us ({result[k[:-3] + ' GB/s']:5.0f} GB/s)"
+                for k in result if k.endswith(" us")) + f"   best: {best[:-3]}", flush=True)
+        del weights, weights_t
+        torch.cuda.empty_cache()
+    return rows
+
+
+def kernel_breakdown(path: str, batch: int, context: int) -> dict:
+    """Per-kernel GPU time of one eager decode step at `batch` sequences of `context` tokens."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from tinyvllm import LLM, SamplingParams
+
+    llm = LLM(path, skip_tokenizer_init=True, enforce_eager=True, max_model_len=4096, max_num_seqs=max(batch, 1),
+              gpu_memory_utilization=0.5)
+    engine = llm.llm_engine
+    for i in range(batch):
+        engine.add_request(str(i), [(7 * i + j) % 10000 for j in range(context)],
+                           SamplingParams(temperature=0.6, max_tokens=64, ignore_eos=True))
+    while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    steps = 5
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name] += event.time_range.elapsed_us() / steps
+    total = sum(per_kernel.values())
+    print(f"\n  eager decode step, batch {batch}, context ~{context}: GPU kernel time {total / 1e3:.3f} ms per step")
+    groups: dict[str, float] = defaultdict(float)
+    for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
+        groups[_group(name)] += us
+    for group, us in sorted(groups.items(), key=lambda kv: -kv[1]):
+        print(f"    {group:<28} {us:8.1f} us  {us / total:5.1%}")
+    print("    top kernels:")
+    for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"      {us:8.1f} us  {name[:110]}")
+    del llm, engine
+    torch.cuda.empty_cache()
+    return {"batch": batch, "context": context, "gpu_kernel_us": total, "groups_us": groups,
+            "kernels_us": dict(per_kernel)}
+
+
+def _group(name: str) -> str:
+    lowered = name.lower()
+    for key, group in (("gemv", "matmul (cuBLAS)"), ("gemm", "matmul (cuBLAS)"), ("nvjet", "matmul (cuBLAS)"),
+                       ("cutlass", "matmul (cuBLAS)"), ("sm90", "matmul (cuBLAS)"), ("splitk", "matmul (cuBLAS)"),
+                       ("decode", "attention decode"), ("prefill", "attention prefill"), ("rms", "rmsnorm"),
+                       ("rotary", "rotary"), ("rope", "rotary"), ("silu", "silu_and_mul"),
+                       ("store_kv", "kv store"), ("embedding", "embedding"), ("sample", "sampling"),
+                       ("memcpy", "memcpy"), ("memset", "memset")):
+        if key in lowered:
+            return group
+    return "other: " + name[:40]
+
+
+def graph_step_ms(path: str, batch: int, context: int) -> float:
+    """GPU time of one decode step's graph (16 layers) at `batch`, by CUDA events."""
+    import torch
+
+    from tinyvllm import LLM, SamplingParams
+
+    llm = LLM(path, skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=max(batch, 1),
+              gpu_memory_utilization=0.5)
+    engine = llm.llm_engine
+    for i in range(batch):
+        engine.add_request(str(i), [(7 * i + j) % 10000 for j in range(context)],
+                           SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True))
+    engine.step()
+    while engine.has_unfinished_requests() and any(s.num_output_tokens < 2 for s in engine.scheduler.running):
+        engine.step()
+    runner = engine.model_runner
+    bs = next(b for b in runner.graph_batch_sizes if b >= batch)
+    graph = runner.graphs[bs]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(50):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / 50
+    print(f"  graph replay, batch {batch} (graph {bs}): {ms:.3f} ms")
+    del llm, engine
+    torch.cuda.empty_cache()
+    return ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--batches", default="1,256")
+    args = parser.parse_args()
+    path = random_llama_1b()
+    result = {"commit": commit(), "gpu": gpu_name()}
+    print(f"profile_step on {result['gpu']} at {result['commit']}")
+    print("matrix products (16 distinct weights per shape, CUDA graph):")
+    result["matmuls"] = bench_matmuls([1, 8, 64, 256])
+    result["steps"] = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        context = 128 if batch == 1 else 512
+        eager = kernel_breakdown(path, batch, context)
+        eager["graph_replay_ms"] = graph_step_ms(path, batch, context)
+        result["steps"].append(eager)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
