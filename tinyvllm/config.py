@@ -107,6 +107,25 @@ def _as_list(value: int | list[int] | None) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
+def check_tensor_parallel_size(config: ModelConfig, tensor_parallel_size: int, device_type: str = "cpu",
+                               num_gpus: int | None = None) -> None:
+    """Raise ConfigError unless `tensor_parallel_size` ranks can each hold a whole share of the heads, KV
+    heads and MLP columns (the vocabulary is padded, so it need not divide) and, on CUDA, a GPU each.
+    num_gpus defaults to torch.cuda.device_count()."""
+    size = tensor_parallel_size
+    if not isinstance(size, int) or size < 1:
+        raise ConfigError(f"tensor_parallel_size must be a positive integer, not {size!r}")
+    for what, n in (("num_attention_heads", config.num_heads), ("num_key_value_heads", config.num_kv_heads),
+                    ("intermediate_size", config.intermediate_size)):
+        if n % size:
+            raise ConfigError(f"tensor_parallel_size={size} does not divide the model's {what}={n}: "
+                              "pick a size that divides it")
+    if device_type == "cuda" and size > 1:
+        available = torch.cuda.device_count() if num_gpus is None else num_gpus
+        if size > available:
+            raise ConfigError(f"tensor_parallel_size={size} needs {size} GPUs, but {available} are visible")
+
+
 @dataclass
 class EngineConfig:
     """How the engine runs: memory, batch limits, scheduling policy. Names and defaults follow vLLM."""

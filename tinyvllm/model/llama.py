@@ -2,7 +2,12 @@
 
 Every op but the matrix products goes through `tinyvllm.ops` (Triton on CUDA, PyTorch on the CPU).
 Q/K/V and gate/up are merged into one matrix product each; the loader writes the checkpoint's
-separate tensors into their slices (see `packed_modules`)."""
+separate tensors into their slices (see `packed_modules`).
+
+Tensor parallelism (Megatron-style, as vLLM): Q/K/V and gate/up are split by output columns (whole heads),
+O and down by input rows followed by an all-reduce, the embedding and LM head over the vocabulary. Each
+split parameter carries `tp_dim`, the dimension the loader cuts the checkpoint tensor along. With the
+default TensorParallel() (size 1) the shapes, names and forward pass are those of the plain model."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import torch.nn.functional as F
 
 from tinyvllm import ops
 from tinyvllm.config import ModelConfig
+from tinyvllm.distributed import TensorParallel, all_reduce, gather_last_dim
 from tinyvllm.ops import AttentionMetadata
 
 
@@ -27,10 +33,69 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class Embedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+def _split_along(param: nn.Parameter, dim: int, padded: bool = False) -> None:
+    """Mark a parameter as this rank's slice of the checkpoint tensor along `dim`; `padded`: the last
+    rank's slice runs past the checkpoint's end (the vocabulary), and the loader zeroes the tail."""
+    param.tp_dim, param.tp_padded = dim, padded
+
+
+class ColumnParallelLinear(Linear):
+    """Each rank holds a slice of the output features and computes that slice of y: no communication."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
+        super().__init__(in_features, tp.split(out_features), bias)
+        _split_along(self.weight, 0)
+        if self.bias is not None:
+            _split_along(self.bias, 0)
+
+
+class RowParallelLinear(Linear):
+    """Each rank holds a slice of the input features (matching the column-parallel layer before it); the
+    partial products are summed over the ranks. Only rank 0 adds the bias, so the sum has it once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
+        super().__init__(tp.split(in_features), out_features, bias)
+        _split_along(self.weight, 1)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        return all_reduce(F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None), self.tp)
+
+
+def vocab_rows_per_rank(vocab_size: int, tp: TensorParallel) -> int:
+    """The vocabulary padded to a multiple of the ranks, split evenly: rank r holds ids [r * n, (r + 1) * n)."""
+    return -(-vocab_size // tp.size)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank looks up the tokens of its vocabulary range and zeroes the others; the all-reduce then
+    holds every token's embedding."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+        self.tp = tp
+        self.num_rows = vocab_rows_per_rank(num_embeddings, tp)
+        self.weight = nn.Parameter(torch.empty(self.num_rows, embedding_dim), requires_grad=False)
+        _split_along(self.weight, 0, padded=True)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return ops.embedding(input_ids, self.weight)
+        local_ids = input_ids - self.tp.rank * self.num_rows
+        outside = (local_ids < 0) | (local_ids >= self.num_rows)
+        x = ops.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        return all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0), self.tp)
+
+
+class ParallelLMHead(Linear):
+    """The output projection, split over the vocabulary as VocabParallelEmbedding is (so a tied head is
+    the embedding's own shard); LlamaForCausalLM.compute_logits gathers the slices."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__(hidden_size, vocab_rows_per_rank(vocab_size, tp), bias=False)
+        _split_along(self.weight, 0, padded=True)
 
 
 class RMSNorm(nn.Module):
@@ -49,14 +114,19 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        # This rank's heads: num_heads / tp.size query heads and the num_kv_heads / tp.size KV heads they share.
+        self.num_heads, self.num_kv_heads = tp.split(config.num_heads), tp.split(config.num_kv_heads)
+        self.head_dim = config.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        qkv_size = (config.num_heads + 2 * config.num_kv_heads) * self.head_dim
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, qkv_size, config.attention_bias, tp)
+        self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size,
+                                        config.attention_bias, tp)
         self.scale = self.head_dim**-0.5
-        # Set by the ModelRunner once the KV pool is allocated: [num_blocks, block_size, kv_heads, head_dim].
+        # Set by the ModelRunner once the KV pool is allocated: [num_blocks, block_size, kv_heads, head_dim]
+        # (this rank's num_kv_heads).
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -74,22 +144,23 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * config.intermediate_size,
+                                                 config.mlp_bias, tp)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, config.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 cos_sin: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,15 +171,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = ops.embedding(input_ids, self.embed_tokens.weight)
+        x = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, cos_sin, meta)
@@ -125,12 +196,12 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = None if config.tie_word_embeddings else Linear(
-            config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp
+        self.model = LlamaModel(config, tp)
+        self.lm_head = None if config.tie_word_embeddings else ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.max_positions = max_positions
         self.cos_sin_cache = torch.empty(0)  # float32 whatever the model's dtype: see init_rope_cache
 
@@ -140,17 +211,25 @@ class LlamaForCausalLM(nn.Module):
                                                      c.rope_scaling, device)
 
     def packed_slice_sizes(self, merged: str) -> list[int]:
-        """The sizes of the slices (in output rows) that make up a merged parameter."""
-        c = self.config
+        """The sizes of the slices (in output rows) that make up a merged parameter on this rank."""
+        c, split = self.config, self.tp.split
         if merged == "qkv_proj":
-            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
-        return [c.intermediate_size, c.intermediate_size]
+            kv_size = split(c.num_kv_heads) * c.head_dim
+            return [split(c.num_heads) * c.head_dim, kv_size, kv_size]
+        return [split(c.intermediate_size)] * 2
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] for every token of the flat batch."""
         return self.model(input_ids, positions, self.cos_sin_cache, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits for the rows given (only the positions that get sampled)."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [rows, vocab_size] for the rows given (only the positions that get sampled).
+        Split over ranks, every rank must call it; rank 0 gets the logits, the others None."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.matmul(hidden, weight.t()).float()
+        logits = torch.matmul(hidden, weight.t())
+        if self.tp.size > 1:
+            logits = gather_last_dim(logits, self.tp)
+            if logits is None:
+                return None
+            return logits[:, : self.config.vocab_size].float().contiguous()  # the padding is never sampled
+        return logits.float()

