@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -17,19 +18,52 @@ LLAMA_1B = dict(
 )
 
 
-def random_llama_1b(path: str = "/tmp/llama-1b-random") -> str:
-    """Saves (once) a random-weight bf16 Llama-3.2-1B-shaped checkpoint and returns its directory."""
+# The same architecture at toy size, for running a GPU benchmark on a CPU (benchmarks/serve.py --small).
+LLAMA_TINY = {**LLAMA_1B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "bos_token_id": 0,
+              "eos_token_id": 1}
+
+
+def random_llama(path: str, shape: dict, dtype: str = "bfloat16") -> str:
+    """Saves (once) a random-weight LlamaForCausalLM of `shape` and returns its directory."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(**LLAMA_1B)
+    config = LlamaConfig(**shape)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
     model.save_pretrained(path)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # a server started next sizes its KV cache from the memory left free
     return path
+
+
+def random_llama_1b(path: str = "/tmp/llama-1b-random") -> str:
+    """The random-weight bf16 Llama-3.2-1B-shaped checkpoint of shared/BENCHMARKS.md."""
+    return random_llama(path, LLAMA_1B)
+
+
+def attention_metadata(query_lens: list[int], context_lens: list[int], block_tables: Any) -> Any:
+    """AttentionMetadata for a batch whose K/V are in the cache already (for timing or checking attention
+    alone: slot_mapping is all zeros, as no op here stores K/V)."""
+    import torch
+
+    from tinyvllm.ops import AttentionMetadata
+
+    device = block_tables.device
+    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return AttentionMetadata(
+        cu_query_lens=cu,
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables,
+        slot_mapping=torch.zeros(int(cu[-1]), dtype=torch.int64, device=device),
+        max_query_len=max(query_lens),
+        max_context_len=max(context_lens),
+    )
 
 
 def commit() -> str:

@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
+from common import attention_metadata as metadata  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from tinyvllm.ops.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from tinyvllm.ops.attention import (  # noqa: E402
-    AttentionMetadata,
     decode_config,
     decode_num_splits,
     paged_attention_triton,
@@ -116,18 +116,6 @@ def paged_from_contiguous(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tenso
         cache[order] = t.permute(0, 2, 1, 3).reshape(batch * blocks_per_seq, BLOCK_SIZE, kv_heads, head_dim)
         caches.append(cache)
     return caches[0], caches[1], block_tables
-
-
-def metadata(query_lens: list[int], context_lens: list[int], block_tables: torch.Tensor) -> AttentionMetadata:
-    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    return AttentionMetadata(
-        cu_query_lens=cu,
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=block_tables,
-        slot_mapping=torch.zeros(int(cu[-1]), dtype=torch.int64, device=DEVICE),
-        max_query_len=max(query_lens),
-        max_context_len=max(context_lens),
-    )
 
 
 def sdpa(backend: SDPBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Callable | None:
@@ -279,8 +267,10 @@ def bench_sampling(table: Table) -> None:
 
 PREFILL_SWEEP = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 3), (128, 32, 4, 4),
                  (64, 64, 4, 3), (256, 64, 8, 3)]
-DECODE_SWEEP = [(64, 4, 3), (64, 4, 2), (64, 8, 3), (32, 4, 3), (128, 4, 3), (128, 8, 3)]
-DECODE_SWEEP_SHAPES = [(1, 8192), (64, 2048), (256, 2048)]
+DECODE_SWEEP = [(64, 4, 3), (64, 4, 2), (64, 8, 3), (64, 2, 3), (32, 4, 3), (32, 2, 3), (16, 2, 3), (128, 4, 3),
+                (128, 8, 3)]
+# (the engine's shapes: batch 1 at short contexts, batch 256 at the throughput workload's ~500-1500)
+DECODE_SWEEP_SHAPES = [(1, 128), (1, 512), (1, 8192), (64, 2048), (256, 512), (256, 1024), (256, 2048)]
 
 
 def sweep() -> None:
@@ -315,7 +305,7 @@ def sweep_decode(batch: int, context: int) -> None:
     for config in DECODE_SWEEP:
         results = []
         for splits in sorted({1, 2, 4, 8, 16, 32, default_splits}):
-            if splits > max(context // 256, 1) and splits != default_splits:
+            if splits > max(context // 64, 1) and splits != default_splits:
                 continue
             run = lambda c=config, n=splits: paged_decode_triton(  # noqa: E731
                 q, k_cache, v_cache, meta, HEAD_DIM**-0.5, num_splits=n, config=c

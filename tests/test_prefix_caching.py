@@ -4,17 +4,15 @@ import random
 
 import pytest
 
-from tests.utils import save_tiny_llama
-from tinyvllm import LLM, SamplingParams
+from tests.utils import tiny_llama_fixture, tiny_llm
+from tinyvllm import SamplingParams
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.sequence import Sequence
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return save_tiny_llama(str(tmp_path_factory.mktemp("tiny")), seed=5)
+checkpoint = tiny_llama_fixture(seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +29,7 @@ def prompts():
 
 def make(checkpoint, caching, **kwargs):
     kwargs.setdefault("num_kv_blocks", 128)
-    return LLM(checkpoint, skip_tokenizer_init=True, device="cpu", enable_prefix_caching=caching, **kwargs)
+    return tiny_llm(checkpoint, enable_prefix_caching=caching, **kwargs)
 
 
 def tokens(outputs):

@@ -5,15 +5,13 @@ import random
 
 import pytest
 
-from tests.utils import save_tiny_llama
-from tinyvllm import LLM, SamplingParams
+from tests.utils import tiny_llama_fixture, tiny_llm
+from tinyvllm import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return save_tiny_llama(str(tmp_path_factory.mktemp("tiny")), seed=3)
+checkpoint = tiny_llama_fixture(seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -24,12 +22,12 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def alone(checkpoint, prompts):
-    llm = LLM(checkpoint, skip_tokenizer_init=True, device="cpu", num_kv_blocks=64)
+    llm = tiny_llm(checkpoint, num_kv_blocks=64)
     return [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
 
 
 def run(checkpoint, prompts, **kwargs):
-    llm = LLM(checkpoint, skip_tokenizer_init=True, device="cpu", **kwargs)
+    llm = tiny_llm(checkpoint, **kwargs)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     engine = llm.llm_engine
     engine.block_manager.check_whole()
@@ -68,8 +66,7 @@ def test_kv_exhaustion_with_prefix_caching(checkpoint, prompts, alone):
 
 
 def test_static_waits_for_the_whole_batch(checkpoint, prompts):
-    llm = LLM(checkpoint, skip_tokenizer_init=True, device="cpu", num_kv_blocks=256, scheduling="static",
-              max_num_seqs=4)
+    llm = tiny_llm(checkpoint, num_kv_blocks=256, scheduling="static", max_num_seqs=4)
     engine = llm.llm_engine
     for i, p in enumerate(prompts[:8]):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=4 + 4 * i, ignore_eos=True))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import pytest
 import torch
 
 from tinyvllm.ops import AttentionMetadata
@@ -29,6 +30,24 @@ def save_tiny_llama(path: str, seed: int = 0, max_shard_size: str | None = None,
             with open(os.path.join(tokenizer_dir, name), "rb") as src, open(os.path.join(path, name), "wb") as dst:
                 dst.write(src.read())
     return path
+
+
+def tiny_llama_fixture(seed: int) -> Any:
+    """A module-scoped `checkpoint` fixture: one tiny random Llama, saved once for the module's tests
+    (assign it to the name `checkpoint`)."""
+
+    @pytest.fixture(scope="module")
+    def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+        return save_tiny_llama(str(tmp_path_factory.mktemp("tiny")), seed=seed)
+
+    return checkpoint
+
+
+def tiny_llm(path: str, **kwargs: Any) -> Any:
+    """An LLM over a tiny checkpoint on the CPU, token ids in and out."""
+    from tinyvllm import LLM
+
+    return LLM(path, skip_tokenizer_init=True, device="cpu", **kwargs)
 
 
 def hf_model(path: str) -> Any:

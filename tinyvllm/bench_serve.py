@@ -17,6 +17,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -49,6 +50,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-kind", default=None, choices=["tokens", "words"],
                         help="random token ids (completions only; drawn via the server's /tokenize) or random "
                              "words (default: tokens for completions, words for chat)")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="draw token-id prompts from [0, N) instead of through /tokenize (for a server "
+                             "started with --skip-tokenizer-init, which has no tokenizer)")
     parser.add_argument("--duration-limit", type=float, default=600.0,
                         help="stop after this many seconds; requests still running then count as cut off")
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -97,8 +101,10 @@ async def _send(client: Any, url: str, payload: dict[str, Any], headers: dict[st
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 for choice in chunk.get("choices") or []:
-                    text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                    if text:
+                    # A completion chunk carries output even when its text is empty (a server without a
+                    # tokenizer sends no text); chat's first chunk carries only the role.
+                    has_output = bool((choice.get("delta") or {}).get("content")) if chat else "text" in choice
+                    if has_output:
                         now = time.perf_counter()
                         if chunks == 0:
                             result.ttft = now - start
@@ -119,6 +125,11 @@ async def _send(client: Any, url: str, payload: dict[str, Any], headers: dict[st
     return result
 
 
+def random_token_prompts(rng: random.Random, num: int, length: int, pool: Sequence[int]) -> list[list[int]]:
+    """`num` prompts of `length` ids drawn from `pool` (benchmarks/serve.py redraws them to replay offline)."""
+    return [[rng.choice(pool) for _ in range(length)] for _ in range(num)]
+
+
 async def _token_prompts(client: Any, base_url: str, model: str, headers: dict[str, str], num: int,
                          length: int, rng: random.Random) -> list[list[int]]:
     """Random prompts of real token ids: words through the server's tokenizer, then drawn at random."""
@@ -126,9 +137,9 @@ async def _token_prompts(client: Any, base_url: str, model: str, headers: dict[s
     response = await client.post(f"{base_url}/tokenize", json={"model": model, "prompt": text,
                                                                "add_special_tokens": False}, headers=headers)
     if response.status_code != 200:
-        raise RuntimeError(f"{base_url}/tokenize answered {response.status_code}: give --prompt-kind words")
-    pool = sorted(set(response.json()["tokens"]))
-    return [[rng.choice(pool) for _ in range(length)] for _ in range(num)]
+        raise RuntimeError(f"{base_url}/tokenize answered {response.status_code}: give --prompt-kind words, or "
+                           "--vocab-size for a server without a tokenizer")
+    return random_token_prompts(rng, num, length, sorted(set(response.json()["tokens"])))
 
 
 async def _model_name(client: Any, base_url: str, headers: dict[str, str]) -> str:
@@ -150,8 +161,9 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("num_prompts", "input_len", "max_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.concurrency is not None and args.concurrency < 1:
-        raise ValueError("--concurrency must be at least 1")
+    for name in ("concurrency", "vocab_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     if not args.request_rate > 0:
         raise ValueError("--request-rate must be > 0")
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
@@ -162,9 +174,10 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     # trust_env=False: a proxy from the environment must not sit between us and a loopback server.
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
         model = args.model or await _model_name(client, base_url, headers)
-        if kind == "tokens":
-            prompts: list[Any] = await _token_prompts(client, base_url, model, headers, args.num_prompts,
-                                                      args.input_len, rng)
+        if kind == "tokens" and args.vocab_size:
+            prompts: list[Any] = random_token_prompts(rng, args.num_prompts, args.input_len, range(args.vocab_size))
+        elif kind == "tokens":
+            prompts = await _token_prompts(client, base_url, model, headers, args.num_prompts, args.input_len, rng)
         else:
             prompts = [" ".join(rng.choice(WORDS) for _ in range(args.input_len)) for _ in range(args.num_prompts)]
         url = f"{base_url}/v1/chat/completions" if chat else f"{base_url}/v1/completions"
@@ -199,6 +212,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     results = [t.result() for t in tasks if not t.cancelled()]
     summary = summarize(results, duration, args.num_prompts)
     summary["config"] = {"base_url": base_url, "endpoint": args.endpoint, "model": model, "prompt_kind": kind,
+                         "vocab_size": args.vocab_size,
                          "num_prompts": args.num_prompts, "concurrency": args.concurrency,
                          "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
                          "input_len": args.input_len, "max_tokens": args.max_tokens,

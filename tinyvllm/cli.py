@@ -161,6 +161,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
     g.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="on SIGINT/SIGTERM, seconds to wait for open connections before closing them")
+    g.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="load no tokenizer (a random-weight model has none): prompts must be token ids, and the "
+                        "streamed chunks carry no text, one chunk per step that generated tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:

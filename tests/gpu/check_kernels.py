@@ -18,6 +18,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from common import attention_metadata  # noqa: E402
 
 from tinyvllm.ops.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from tinyvllm.ops.attention import (  # noqa: E402
@@ -164,17 +167,8 @@ def paged_batch(
     k_cache = torch.randn(shape, device=DEVICE).to(dtype)
     v_cache = torch.randn(shape, device=DEVICE).to(dtype)
     k_cache[~owned], v_cache[~owned] = float("nan"), float("nan")
-    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    q = torch.randn(int(cu[-1]), num_q_heads, head_dim, device=DEVICE).to(dtype)
-    meta = AttentionMetadata(
-        cu_query_lens=cu,
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=block_tables,
-        slot_mapping=torch.zeros(int(cu[-1]), dtype=torch.int64, device=DEVICE),
-        max_query_len=max(query_lens),
-        max_context_len=max(context_lens),
-    )
-    return q, k_cache, v_cache, meta
+    q = torch.randn(sum(query_lens), num_q_heads, head_dim, device=DEVICE).to(dtype)
+    return q, k_cache, v_cache, attention_metadata(query_lens, context_lens, block_tables)
 
 
 def check_attention_case(

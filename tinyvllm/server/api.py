@@ -332,8 +332,11 @@ class OpenAIServer:
                 cached[output.request_id] = output.num_cached_tokens
                 for completion in output.outputs:
                     completion_tokens += len(completion.token_ids)
-                    if not completion.text and completion.finish_reason is None and logprobs is None:
-                        continue  # nothing to show yet (a partial character, or text held back for `stop`)
+                    # Nothing to show yet: a partial character, or text held back for `stop`. Without a
+                    # tokenizer there is never text, and each step's new tokens make a chunk of their own.
+                    shows = completion.text or (self.tokenizer is None and completion.token_ids)
+                    if not shows and completion.finish_reason is None and logprobs is None:
+                        continue
                     index = choice_index[(output.request_id, completion.index)]
                     choice_logprobs = None
                     if logprobs is not None:
@@ -654,7 +657,8 @@ def run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get("TINYVLLM_API_KEY") or None
     signal.signal(signal.SIGTERM, _exit_cleanly)  # while the model loads: nothing to shut down yet
-    engine = AsyncLLMEngine.from_config(EngineConfig(**engine_kwargs(args)))
+    engine = AsyncLLMEngine.from_config(EngineConfig(**engine_kwargs(args),
+                                                     skip_tokenizer_init=args.skip_tokenizer_init))
     name = args.served_model_name or default_model_name(args.model)
     app = build_app(engine, name, api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),

@@ -51,6 +51,18 @@ class UsageInfo(OpenAIModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class ResponseFields(OpenAIModel):
+    """What every completion response and stream chunk carries around its choices (each subclass names
+    its `object` and its kind of choice)."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[Any]
+    usage: UsageInfo | None = None
+
+
 class SamplingFields(OpenAIModel):
     """The sampling fields both endpoints share (OpenAI's, then vLLM's extras)."""
 
@@ -101,13 +113,9 @@ class CompletionChoice(OpenAIModel):
     stop_reason: int | str | None = None
 
 
-class CompletionResponse(OpenAIModel):
-    id: str
+class CompletionResponse(ResponseFields):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
 
 
 # ---- /v1/chat/completions ---------------------------------------------------------------------------
@@ -155,13 +163,9 @@ class ChatCompletionChoice(OpenAIModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(OpenAIModel):
-    id: str
+class ChatCompletionResponse(ResponseFields):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatCompletionChoice]
-    usage: UsageInfo | None = None
 
 
 class DeltaMessage(OpenAIModel):
@@ -177,13 +181,9 @@ class ChatStreamChoice(OpenAIModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(OpenAIModel):
-    id: str
+class ChatCompletionChunk(ResponseFields):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
 
 
 # ---- /v1/models -------------------------------------------------------------------------------------

@@ -1,0 +1,259 @@
+# On the H200 device: the wheels in .whl (carry: [".whl"]) are the server's packages the device lacks:
+# fastapi 0.165.0, starlette 1.10.0, uvicorn 0.55.0, pydantic 2.14.4, pydantic_core 2.50.5 (cp312), annotated-types
+# 0.8.0, annotated-doc 0.0.7, typing-inspection 0.4.5, typing_extensions 4.16.0 (pydantic needs >= 4.16), anyio
+# 4.16.0, opentelemetry-api 1.45.2 (fastapi imports it); click, h11, httpx, httpcore, idna, prometheus_client and
+# numpy are the device's own. The command (COMMIT: the commit measured, the tree travels without its .git):
+# python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; PYTHONUNBUFFERED=1 TINYVLLM_COMMIT=COMMIT python3 benchmarks/serve.py --json $OUT/serve.json --server-log $OUT/server.log  # noqa: E501
+"""serve (issue 5): `tinyvllm serve` under load: TTFT, TPOT and ITL at concurrency 1, 16, 64 and 256.
+
+The server runs the random-weight Llama-3.2-1B of shared/BENCHMARKS.md in a subprocess on loopback. That
+model has no tokenizer, so the server runs with --skip-tokenizer-init and takes token-id prompts. The load
+is `tinyvllm bench serve`'s: streamed /v1/completions of --input-len random token ids asking for
+--output-len tokens each (greedy, ignore_eos), at most `concurrency` in flight. Each level starts with an
+unmeasured warm-up round (so that Triton has compiled the kernel variants the level meets), and every round
+draws prompts of its own, so that no prefix-cache hit helps. Then the server is stopped with SIGINT and
+must exit 0.
+
+Peer: vLLM is not installed on the device and cannot be fetched there, so no other server is measured. The
+nearest peer is this engine's own offline throughput: LLM.generate on the prompts of the highest level, in
+this process once the server has stopped. Serve over offline output tok/s is what the HTTP layer costs.
+
+    python benchmarks/serve.py [--json FILE]     (H200: about 3 minutes with the model build and start-up)
+    python benchmarks/serve.py --small           (CPU: a tiny random Llama, 2 levels, about a minute)
+
+On the H200 the server's packages (fastapi, uvicorn, pydantic, ...) travel as wheels: see the comment above.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+from common import LLAMA_TINY, commit, gpu_name, random_llama, random_llama_1b
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process so far (None where /proc cannot tell)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def start_server(path: str, port: int, engine_args: list[str], log: Any) -> subprocess.Popen:
+    command = [sys.executable, "-m", "tinyvllm.cli", "serve", "--model", path, "--host", "127.0.0.1",
+               "--port", str(port), "--skip-tokenizer-init", "--log-level", "warning", *engine_args]
+    return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def wait_healthy(process: subprocess.Popen, url: str, timeout: float) -> None:
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode} before it was healthy")
+        try:
+            if httpx.get(f"{url}/health", timeout=5, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server was not healthy within {timeout:.0f} s")
+
+
+def bench(url: str, concurrency: int, num_prompts: int, input_len: int, output_len: int, vocab_size: int,
+          seed: int, duration_limit: float) -> dict[str, Any]:
+    """One `tinyvllm bench serve` run, in this process."""
+    from tinyvllm.bench_serve import add_cli_args, run_benchmark
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(["--base-url", url, "--num-prompts", str(num_prompts), "--concurrency", str(concurrency),
+                              "--input-len", str(input_len), "--max-tokens", str(output_len), "--vocab-size",
+                              str(vocab_size), "--seed", str(seed), "--duration-limit", str(duration_limit)])
+    summary = asyncio.run(run_benchmark(args))
+    requests = summary.pop("requests")  # (per-request lists: too long to keep)
+    summary["streamed_chunks"] = sum(len(r["itl"]) + 1 for r in requests if r["ok"])
+    return summary
+
+
+def run_level(url: str, server_pid: int, concurrency: int, num_prompts: int, args: argparse.Namespace,
+              vocab_size: int, seed: int) -> dict[str, Any]:
+    bench(url, concurrency, concurrency, args.input_len, min(args.output_len, 16), vocab_size, seed + 1,
+          args.duration_limit)  # warm-up, on prompts of its own
+    wall, client, server = time.perf_counter(), time.process_time(), cpu_seconds(server_pid)
+    summary = bench(url, concurrency, num_prompts, args.input_len, args.output_len, vocab_size, seed,
+                    args.duration_limit)
+    wall = time.perf_counter() - wall
+    server_end = cpu_seconds(server_pid)
+    summary["client_cpu_per_wall"] = (time.process_time() - client) / wall
+    summary["server_cpu_per_wall"] = None if server is None or server_end is None else (server_end - server) / wall
+    return summary
+
+
+def stop_server(process: subprocess.Popen, timeout: float = 60.0) -> int | None:
+    """SIGINT, as a user's Ctrl-C; the exit code, or None if it had to be killed."""
+    process.send_signal(signal.SIGINT)
+    try:
+        return process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(30)
+        return None
+
+
+def offline(path: str, prompts: list[list[int]], warm_prompts: list[list[int]], output_len: int,
+            engine_kwargs: dict[str, Any]) -> dict[str, float]:
+    """LLM.generate on the same prompts, with the same warm-up round the server had."""
+    from tinyvllm import LLM, SamplingParams
+
+    llm = LLM(path, skip_tokenizer_init=True, **engine_kwargs)
+    llm.generate(warm_prompts, SamplingParams(temperature=0, max_tokens=min(output_len, 16), ignore_eos=True),
+                 use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True),
+                           use_tqdm=False)
+    seconds = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"requests": len(prompts), "output_tokens": generated, "seconds": seconds,
+            "output_tok_per_s": generated / seconds, "preemptions": llm.llm_engine.scheduler.num_preemptions}
+
+
+def table(levels: list[dict[str, Any]]) -> str:
+    def cpu(value: float | None) -> str:
+        return "?" if value is None else f"{value:.0%}"
+
+    lines = ["| concurrency | requests | req/s | output tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | ITL p50 "
+             "| ITL p99 | client CPU | server CPU |", "| --- " * 12 + "|"]
+    for s in levels:
+        done = f"{s['completed']}" + (f" ({s['failed']} failed)" if s["failed"] else "")
+        cells = [str(s["config"]["concurrency"]), done, f"{s['request_throughput']:,.2f}",
+                 f"{s['output_throughput']:,.0f}"]
+        for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+            cells += [f"{s[key]['median']:,.2f}", f"{s[key]['p99']:,.2f}"]
+        cells += [cpu(s["client_cpu_per_wall"]), cpu(s["server_cpu_per_wall"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a model directory (default: the random-weight 1B shape)")
+    parser.add_argument("--small", action="store_true",
+                        help="CPU-sized: a tiny random Llama, concurrency 1 and 4, 16 prompt and 8 output tokens")
+    parser.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,16,64,256)")
+    parser.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 128)")
+    parser.add_argument("--output-len", type=int, default=None, help="output tokens per request (default 128)")
+    parser.add_argument("--rounds", type=int, default=4, help="requests per level: this many times its concurrency")
+    parser.add_argument("--min-requests", type=int, default=None, help="and at least this many (default 32)")
+    parser.add_argument("--device", default=None, help="auto (default), cpu or cuda; --small: cpu")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--duration-limit", type=float, default=300.0, help="seconds per bench serve run")
+    parser.add_argument("--no-offline", action="store_true", help="skip the offline LLM.generate peer")
+    parser.add_argument("--server-log", default=None, help="the server's output (default: a file under /tmp)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    small = {"concurrency": "1,4", "input_len": 16, "output_len": 8, "min_requests": 4, "device": "cpu"}
+    large = {"concurrency": "1,16,64,256", "input_len": 128, "output_len": 128, "min_requests": 32, "device": "auto"}
+    for name, value in (small if args.small else large).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    path = args.model or (random_llama("/tmp/llama-tiny-random", LLAMA_TINY, "float32") if args.small
+                          else random_llama_1b())
+    with open(os.path.join(path, "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+    engine_kwargs = {"device": args.device, "max_model_len": args.max_model_len, "max_num_seqs": max(levels),
+                     "enforce_eager": args.enforce_eager}
+    engine_args = ["--device", args.device, "--max-model-len", str(args.max_model_len), "--max-num-seqs",
+                   str(max(levels))] + (["--enforce-eager"] if args.enforce_eager else [])
+
+    result: dict[str, Any] = {"commit": commit(), "gpu": gpu_name(), "model": path, "input_len": args.input_len,
+                              "output_len": args.output_len, "engine": engine_kwargs, "levels": []}
+    print(f"serve on {result['gpu']} at {result['commit']}: {path} (vocabulary {vocab_size}, no tokenizer), "
+          f"{args.input_len} random prompt tokens, {args.output_len} output tokens (greedy, ignore_eos), streamed "
+          f"/v1/completions, max_num_seqs {max(levels)}", flush=True)
+    log_path = args.server_log or f"/tmp/tinyvllm-serve-{os.getpid()}.log"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    failed = False
+    with open(log_path, "w") as log:
+        start = time.perf_counter()
+        process = start_server(path, port, engine_args, log)
+        try:
+            wait_healthy(process, url, timeout=600)
+            result["server_ready_s"] = time.perf_counter() - start
+            print(f"server healthy after {result['server_ready_s']:.1f} s (imports, model load, KV cache sizing "
+                  f"and, on CUDA, graph capture); log: {log_path}", flush=True)
+            for i, concurrency in enumerate(levels):
+                num_prompts = max(args.min_requests, args.rounds * concurrency)
+                summary = run_level(url, process.pid, concurrency, num_prompts, args, vocab_size, seed=2 * i)
+                summary["seed"] = 2 * i
+                result["levels"].append(summary)
+                failed |= summary["failed"] > 0 or summary["cut_off"] > 0
+                print(f"  concurrency {concurrency}: {summary['completed']} requests in {summary['duration_s']:.1f} s"
+                      + "".join(f"; error: {e}" for e in summary["errors"]), flush=True)
+        except Exception as e:  # the server died, or a request could not be sent: report, stop, show the log
+            print(f"error: {type(e).__name__}: {e}", flush=True)
+            failed = True
+        finally:
+            exit_code = stop_server(process) if process.poll() is None else process.returncode
+    result["server_exit_code"] = exit_code
+    if result["levels"]:
+        print(table(result["levels"]))
+        print("(ms; TPOT: per request, (end - first token) / (tokens - 1); ITL: between streamed chunks; CPU: "
+              "the process's CPU time over the level's wall time)")
+    print(f"server stopped with SIGINT: exit code {exit_code}" + ("" if exit_code == 0 else " (expected 0)"))
+    failed |= exit_code != 0
+    if exit_code != 0 or not result["levels"]:
+        with open(log_path, errors="replace") as f:
+            print(f"server log (last lines):\n{f.read()[-3000:]}")
+
+    print("peer: vLLM is not installed on the device (nothing can be fetched there), so no serving peer was "
+          "measured; the nearest is this engine's offline LLM.generate on the same prompts.")
+    if result["levels"] and not args.no_offline:
+        from tinyvllm.bench_serve import random_token_prompts
+
+        top = result["levels"][-1]
+        n, seed = top["config"]["num_prompts"], top["seed"]
+        prompts = random_token_prompts(random.Random(seed), n, args.input_len, range(vocab_size))
+        warm = random_token_prompts(random.Random(seed + 1), top["config"]["concurrency"], args.input_len,
+                                    range(vocab_size))
+        peer = offline(path, prompts, warm, args.output_len, engine_kwargs)
+        result["offline"] = peer
+        ratio = top["output_throughput"] / peer["output_tok_per_s"]
+        result["serve_over_offline"] = ratio
+        print(f"  offline LLM.generate, {n} prompts, max_num_seqs {max(levels)}: {peer['output_tok_per_s']:,.0f} "
+              f"output tok/s ({peer['seconds']:.1f} s, {peer['preemptions']} preemptions)")
+        print(f"  serve at concurrency {top['config']['concurrency']} / offline: {top['output_throughput']:,.0f} / "
+              f"{peer['output_tok_per_s']:,.0f} = {ratio:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
