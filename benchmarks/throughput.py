@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--no-static", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-async-scheduling", action="store_true", help="launch each step after the last ends")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--max-num-seqs", type=int, default=256,
                         help="below the number of prompts, static batching waits on each batch's longest request")
@@ -98,6 +99,7 @@ def main() -> None:
           f"{sum(map(len, prompts))} prompt tokens, {sum(p.max_tokens for p in params)} output tokens")
     for scheduling in ("continuous",) + (() if args.no_static else ("static",)):
         llm = LLM(path, skip_tokenizer_init=True, scheduling=scheduling, enforce_eager=args.enforce_eager,
+                  async_scheduling=not args.no_async_scheduling,
                   max_model_len=4096, max_num_seqs=args.max_num_seqs,
                   enable_prefix_caching=not args.no_prefix_caching)
         records = trace_steps(llm) if args.trace else None

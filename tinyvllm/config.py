@@ -143,6 +143,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     scheduling: str = "continuous"
+    # Schedule step N+1 while the GPU runs step N (None: on for CUDA, where the host is the bottleneck;
+    # off on the CPU, where nothing runs concurrently and a stopped sequence's extra token would cost).
+    async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
     skip_tokenizer_init: bool = False
     seed: int = 0
@@ -169,6 +172,9 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("device='cuda' was asked for but torch sees no CUDA GPU")
         return torch.device(self.device)
+
+    def resolve_async_scheduling(self, device: torch.device) -> bool:
+        return device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
 
     def resolve_dtype(self, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
         """'auto' is float32 on the CPU and the checkpoint's half type (bf16 if it has none) on a GPU."""

@@ -2,7 +2,8 @@
 
 1. The Llama-3.2-1B-shaped random-weight model's logits against transformers on the same GPU.
 2. Greedy generation on CUDA with the Triton kernels agrees with the same engine on CUDA running the
-   reference ops (TINYVLLM_REFERENCE_OPS=1, a subprocess), and CUDA graphs agree with eager.
+   reference ops (TINYVLLM_REFERENCE_OPS=1, a subprocess), and the fast path (CUDA graphs and async
+   scheduling) agrees with the eager, synchronous one.
 Prints PASS/FAIL per check and exits non-zero on any failure."""
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 PROMPTS = [[(i * 37 + j * 11) % 10000 for j in range(n)] for i, n in enumerate((5, 40, 130, 300))]
 
 
-def generate(path: str, dtype: str, enforce_eager: bool, num_tokens: int) -> list[list[int]]:
+def generate(path: str, dtype: str, enforce_eager: bool, async_scheduling: bool,
+             num_tokens: int) -> list[list[int]]:
     from tinyvllm import LLM, SamplingParams
 
     llm = LLM(path, skip_tokenizer_init=True, dtype=dtype, enforce_eager=enforce_eager, max_model_len=2048,
-              gpu_memory_utilization=0.3, max_num_seqs=16)
+              gpu_memory_utilization=0.3, max_num_seqs=16, async_scheduling=async_scheduling)
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
@@ -56,8 +58,8 @@ def logits_check(path: str) -> list[tuple[str, bool, str]]:
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--generate":  # the subprocess: print tokens as JSON
-        _, _, path, dtype, eager, n = sys.argv
-        print("TOKENS" + json.dumps(generate(path, dtype, eager == "1", int(n))))
+        _, _, path, dtype, eager, overlap, n = sys.argv
+        print("TOKENS" + json.dumps(generate(path, dtype, eager == "1", overlap == "1", int(n))))
         return 0
     from common import random_llama_1b
 
@@ -65,16 +67,18 @@ def main() -> int:
     results = logits_check(path)
     for dtype in ("float32", "bfloat16"):
         runs = {}
-        for name, env, eager in (("triton+graphs", {}, "0"), ("triton eager", {}, "1"),
-                                 ("reference ops", {"TINYVLLM_REFERENCE_OPS": "1"}, "1")):
-            proc = subprocess.run([sys.executable, __file__, "--generate", path, dtype, eager, "64"],
+        for name, env, eager, overlap in (("triton+graphs+async", {}, "0", "1"), ("triton+graphs", {}, "0", "0"),
+                                          ("triton eager", {}, "1", "0"),
+                                          ("reference ops", {"TINYVLLM_REFERENCE_OPS": "1"}, "1", "0")):
+            proc = subprocess.run([sys.executable, __file__, "--generate", path, dtype, eager, overlap, "64"],
                                   env={**os.environ, **env}, capture_output=True, text=True)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("TOKENS")), None)
             if line is None:
                 results.append((f"generate {name} {dtype}", False, proc.stderr[-2000:]))
                 continue
             runs[name] = json.loads(line[len("TOKENS"):])
-        for a, b in (("triton eager", "reference ops"), ("triton+graphs", "triton eager")):
+        for a, b in (("triton eager", "reference ops"), ("triton+graphs", "triton eager"),
+                     ("triton+graphs+async", "triton eager")):
             if a in runs and b in runs:
                 same = [x == y for x, y in zip(runs[a], runs[b])]
                 prefix = [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), len(x))

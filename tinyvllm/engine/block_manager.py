@@ -105,20 +105,25 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
         seq.block_table = []
+        seq.num_registered_blocks = 0
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Register seq's blocks that have become full of computed tokens in the prefix cache."""
+        """Register seq's blocks that have become full of computed tokens in the prefix cache (only those
+        that filled up since the last call: this runs for every sequence at every step)."""
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if num_full <= seq.num_registered_blocks:
+            return
         self._hash_full_blocks(seq, num_full)
-        for i in range(num_full):
+        for i in range(seq.num_registered_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
             if block.hash is not None:
                 continue
             block.hash = seq.block_hashes[i]
             block.token_ids = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             self.cached_blocks.setdefault(block.hash, block.block_id)
+        seq.num_registered_blocks = num_full
 
     def _hash_full_blocks(self, seq: Sequence, num_blocks: int) -> None:
         for i in range(len(seq.block_hashes), num_blocks):

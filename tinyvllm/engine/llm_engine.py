@@ -14,16 +14,18 @@ from typing import Any
 
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.block_manager import BlockManager
-from tinyvllm.engine.scheduler import Scheduler
+from tinyvllm.engine.scheduler import Scheduler, SchedulerOutput
 from tinyvllm.engine.sequence import Sequence, SequenceStatus
 from tinyvllm.model.loader import build_model, load_model_config, resolve_model_path
 from tinyvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import IncrementalDetokenizer, load_tokenizer
 from tinyvllm.worker.model_runner import ModelRunner
-from tinyvllm.worker.sampler import step_seed
+from tinyvllm.worker.sampler import AsyncSamplerOutput, step_seed
 
 logger = logging.getLogger(__name__)
+
+PLACEHOLDER_TOKEN = -1  # in token_ids, for a token sampled on the GPU and not read back yet
 
 # What step() reports for a request: everything so far, only what is new, or only the final result.
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
@@ -41,7 +43,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        for seq in self.seqs:  # (a loop, not all(...): this runs for every request at every step)
+            if not seq.is_finished:
+                return False
+        return True
 
 
 class LLMEngine:
@@ -71,6 +76,8 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.async_scheduling = config.resolve_async_scheduling(self.device)
+        self._in_flight: tuple[SchedulerOutput, AsyncSamplerOutput] | None = None
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -149,31 +156,64 @@ class LLMEngine:
             if seq.finish_reason is None:
                 seq.finish_reason = "abort"
             seq.status = SequenceStatus.FINISHED
+            _drop_pending(seq)
         return True
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     # ---- one step ---------------------------------------------------------------------------------
+    # With async scheduling, step() launches the next batch before it waits for the one in flight, so
+    # that the host's work (scheduling, building the batch, detokenizing, stop checks) overlaps the
+    # GPU's. The new batch is scheduled as if the pending tokens were known (placeholders, which the
+    # model runner takes from the GPU); a sequence that turns out to have stopped at its pending token
+    # has computed one token in vain, which is dropped. Each call returns one step's outputs.
     def step(self) -> list[RequestOutput]:
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            in_flight = self._launch(None)
+            if in_flight is None:
+                if self.scheduler.has_unfinished():
+                    raise RuntimeError("the scheduler has waiting requests but could schedule none")
+                return []
+        if self.async_scheduling and not any(s.num_pending and s.params.has_penalties
+                                             for s in self.scheduler.running):
+            self._in_flight = self._launch(in_flight[1])
+        return self._process(*in_flight)
+
+    def _launch(self, prev: AsyncSamplerOutput | None) -> tuple[SchedulerOutput, AsyncSamplerOutput] | None:
+        """Schedule a batch and start it on the device; None if nothing can run now."""
         batch = self.scheduler.schedule()
         if batch.is_empty():
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("the scheduler has waiting requests but could schedule none")
-            return []
+            return None
         now = time.time()
-        for seq in batch.seqs:
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             metrics = self.requests[seq.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             self.num_prompt_tokens += max(0, min(seq.num_prompt_tokens, seq.num_computed_tokens + num_new)
                                           - seq.num_computed_tokens)
-        result = self.model_runner.execute(batch)
+        result = self.model_runner.execute(batch, prev)
+        self.scheduler.advance(batch)
+        for seq in result.seqs:
+            seq.token_ids.append(PLACEHOLDER_TOKEN)
+            seq.num_pending += 1
+        return batch, result
+
+    def _process(self, batch: SchedulerOutput, pending: AsyncSamplerOutput) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and turn them into outputs."""
+        result = pending.get()
         now = time.time()
         touched: dict[str, Request] = {}
         for seq, token, logprobs in zip(result.seqs, result.token_ids, result.logprobs):
+            if seq.is_finished:  # it stopped at its previous token, or was aborted: the token is dropped
+                continue
+            # The step's placeholder is the first still pending (a later step may have added one more).
+            seq.token_ids[len(seq.token_ids) - seq.num_pending] = token
+            seq.num_pending -= 1
             self._append_token(seq, token, logprobs)
+            if seq.is_finished:
+                _drop_pending(seq)
             request = self.requests[seq.request_id]
             metrics = request.metrics
             if metrics.first_token_time is None:
@@ -181,19 +221,20 @@ class LLMEngine:
                 metrics.num_cached_tokens = seq.num_cached_tokens
             metrics.last_token_time = now
             touched[seq.request_id] = request
-        self.num_generation_tokens += len(result.token_ids)
+            self.num_generation_tokens += 1
         self.scheduler.update(batch)
         outputs = []
         for request in touched.values():
-            if request.finished:
+            finished = request.finished
+            if finished:
                 request.metrics.finished_time = now
                 del self.requests[request.request_id]
-            if request.finished or request.output_kind != "final_only":
-                outputs.append(self._make_output(request))
+            if finished or request.output_kind != "final_only":
+                outputs.append(self._make_output(request, finished))
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, Logprob] | None) -> None:
-        seq.token_ids.append(token)
+        """Account for seq's new token (already in token_ids): logprobs, text, stop conditions."""
         if logprobs is not None:
             if self.tokenizer is not None:
                 for token_id, lp in logprobs.items():
@@ -205,12 +246,13 @@ class LLMEngine:
         if seq.detokenizer is not None:
             seq.detokenizer.add(token)
             seq.output_text = seq.detokenizer.text
-        may_stop = seq.num_output_tokens >= params.min_tokens
+        num_outputs = seq.num_output_tokens - seq.num_pending  # this token's number (later ones may be pending)
+        may_stop = num_outputs >= params.min_tokens
         if may_stop and token in seq.stop_token_set:
             self._finish(seq, "stop", None if token in self.eos_token_ids and not params.ignore_eos else token)
         elif may_stop and params.stop_strings and self._truncate_at_stop(seq, text_before):
             return
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif num_outputs >= params.max_tokens or seq.num_prompt_tokens + num_outputs >= self.max_model_len:
             self._finish(seq, "length", None)
 
     def _truncate_at_stop(self, seq: Sequence, text_before: int) -> bool:
@@ -233,7 +275,7 @@ class LLMEngine:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         seq.status = SequenceStatus.FINISHED
 
-    def _make_output(self, request: Request) -> RequestOutput:
+    def _make_output(self, request: Request, finished: bool) -> RequestOutput:
         delta = request.output_kind == "delta"
         completions = []
         for seq in request.seqs:
@@ -245,11 +287,11 @@ class LLMEngine:
                 tokens = tokens[seq.num_reported_tokens:]
                 logprobs = logprobs[seq.num_reported_tokens:] if logprobs is not None else None
                 seq.reported_text_len += len(text)
-                seq.num_reported_tokens = seq.num_output_tokens
+                seq.num_reported_tokens += len(tokens)
             completions.append(CompletionOutput(seq.index, text, tokens, seq.finish_reason, seq.stop_reason,
                                                 logprobs, seq.cumulative_logprob if logprobs is not None else None))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             request.finished, request.metrics, request.metrics.num_cached_tokens)
+                             finished, request.metrics, request.metrics.num_cached_tokens)
 
     # ---- introspection ----------------------------------------------------------------------------
     def get_stats(self) -> dict[str, float]:
@@ -266,6 +308,13 @@ class LLMEngine:
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
         }
+
+
+def _drop_pending(seq: Sequence) -> None:
+    """A finished sequence's placeholders go: the tokens a step in flight draws for it are dropped."""
+    if seq.num_pending:
+        del seq.token_ids[-seq.num_pending:]
+        seq.num_pending = 0
 
 
 def _visible_text(seq: Sequence) -> str:

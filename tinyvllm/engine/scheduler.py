@@ -6,6 +6,11 @@ limits permitting, waiting sequences are admitted (continuous batching). When th
 the youngest running sequence is preempted: its blocks are freed and it goes back to the front of
 the queue, to be recomputed later, so no request is ever dropped.
 
+With async scheduling the next step is scheduled while the GPU still runs the last one: a sequence's
+token from that step is a placeholder (Sequence.num_pending) that the model runner takes from the GPU.
+A sequence that has all its tokens is not scheduled again, and one whose token is still pending is not
+admitted from the queue (after a preemption) until the token is known.
+
 With scheduling="static", sequences are admitted only when nothing runs, as many as fit, and the
 batch runs to its end before the next one is admitted: it exists to show what continuous buys."""
 
@@ -23,6 +28,7 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)  # ids of sequences whose blocks were freed since the last step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -42,6 +48,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._released: list[int] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -57,12 +64,17 @@ class Scheduler:
                 self.running.remove(seq)
             else:
                 self.waiting.remove(seq)
-            self.block_manager.free(seq)
+            self._free(seq)
             seq.status = SequenceStatus.FINISHED
         return aborted
 
+    def _free(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        self._released.append(seq.seq_id)
+
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(released=self._released)
+        self._released = []
         budget = self.max_num_batched_tokens
         if self.policy == "static" and not self.running:
             self._admit_static_batch()
@@ -70,6 +82,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.params.max_tokens is not None and seq.num_output_tokens >= seq.params.max_tokens:
+                i += 1  # its last token is pending: it finishes when that is read back
+                continue
             num_new = self._try_allocate(seq, budget)
             while num_new is None:
                 victim = self.running.pop()  # the youngest
@@ -89,6 +104,8 @@ class Scheduler:
         if self.policy == "continuous" and not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
+                if seq.num_pending:
+                    break
                 num_new = self._try_allocate(seq, budget)
                 if num_new is None:
                     break
@@ -103,7 +120,7 @@ class Scheduler:
     def _admit_static_batch(self) -> None:
         """Seat as many waiting sequences as there are seats and blocks for their prompts."""
         free = self.block_manager.num_free_blocks
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self.max_num_seqs and not self.waiting[0].num_pending:
             need = self.block_manager.blocks_needed(self.waiting[0].num_tokens + 1)
             if need > free and self.running:
                 break
@@ -115,6 +132,10 @@ class Scheduler:
     def _try_allocate(self, seq: Sequence, budget: int) -> int | None:
         """Blocks for seq's next chunk (at most `budget` tokens); its size, or None if the pool is short.
         A sequence without blocks first takes what the prefix cache holds of it."""
+        if seq.block_table:  # the common case, a decode whose token fits in its last block: nothing to do
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.num_computed_tokens + num_new <= len(seq.block_table) * self.block_manager.block_size:
+                return num_new
         cached: list[int] = []
         if not seq.block_table:
             cached = self.block_manager.find_cached_prefix(seq)
@@ -130,21 +151,29 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks and queue it first, to recompute prompt and output later."""
-        self.block_manager.free(seq)
+        self._free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def update(self, out: SchedulerOutput) -> None:
-        """After the step ran: advance what each sequence has computed, cache its full blocks, and
-        free the sequences that finished."""
+    def advance(self, out: SchedulerOutput) -> None:
+        """Once the step is launched: its tokens count as computed (their K/V are written in stream
+        order before any later step reads them)."""
         for seq, num_new in zip(out.seqs, out.num_new_tokens):
             seq.num_computed_tokens += num_new
-            self.block_manager.cache_computed_blocks(seq)
-        finished = [s for s in self.running if s.is_finished]
-        if finished:
+
+    def update(self, out: SchedulerOutput) -> None:
+        """Once the step's tokens are read back: cache the full blocks of its sequences, and free the
+        sequences that finished (a preempted one may finish while it waits, by its pending token)."""
+        for seq in out.seqs:
+            if not seq.is_finished and seq.block_table:
+                self.block_manager.cache_computed_blocks(seq)
+        if any(s.is_finished for s in self.running):
+            finished = [s for s in self.running if s.is_finished]
             self.running = [s for s in self.running if not s.is_finished]
             for seq in finished:
-                self.block_manager.free(seq)
+                self._free(seq)
+        if self.waiting and any(s.is_finished for s in self.waiting):
+            self.waiting = deque(s for s in self.waiting if not s.is_finished)

@@ -34,6 +34,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens that came from the prefix cache
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks, filled as they complete
+        self.num_registered_blocks = 0  # leading blocks of block_table already offered to the prefix cache
         self.detokenizer = detokenizer
         self.stop_token_set = stop_token_set  # EOS (unless ignore_eos) and stop_token_ids
         self.output_text = ""
@@ -42,6 +43,9 @@ class Sequence:
         self.logprobs: list[dict[int, Logprob]] = []
         self.cumulative_logprob = 0.0
         self.num_preemptions = 0
+        # Tokens sampled on the GPU but not yet read back (async scheduling): placeholders at the end of
+        # token_ids, so that counts and positions already include them; the engine fills them in.
+        self.num_pending = 0
         # Progress already reported to the caller, so each RequestOutput carries only what is new.
         self.num_reported_tokens = 0
         self.reported_text_len = 0
@@ -52,6 +56,7 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens, those still pending on the GPU included."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
@@ -60,7 +65,8 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """The generated tokens known so far (pending placeholders excluded)."""
+        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_pending]
 
     @property
     def is_finished(self) -> bool:

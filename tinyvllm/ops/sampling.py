@@ -16,6 +16,8 @@ def sample_ref(
     top_p: torch.Tensor,
     min_p: torch.Tensor,
     seeds: torch.Tensor,
+    use_top_p: bool | None = None,
+    max_top_k: int | None = None,
 ) -> torch.Tensor:
     """logits [B, V] float32 and per-row parameters [B] -> token ids [B] int64.
 
@@ -23,7 +25,8 @@ def sample_ref(
     most likely tokens (top_k <= 0: all), to the smallest set whose mass reaches top_p, and to tokens
     with p >= min_p * p_max; then one token is drawn as argmax(p / E), E ~ Exp(1) (the exponential race
     is an exact draw from p). E comes from a generator seeded with seeds[row], so a row's draw depends
-    on its own seed only, whatever else is in the batch."""
+    on its own seed only, whatever else is in the batch. use_top_p / max_top_k are hints for the kernel
+    (whether any sampled row has top_p < 1, and its largest active top_k), unused here."""
     greedy = logits.argmax(dim=-1)
     if bool((temperature == 0).all()):
         return greedy
@@ -153,10 +156,14 @@ def sample_triton(
     top_p: torch.Tensor,
     min_p: torch.Tensor,
     seeds: torch.Tensor,
+    use_top_p: bool | None = None,
+    max_top_k: int | None = None,
 ) -> torch.Tensor:
     """The Triton kernels of sample_ref (same truncation, its own counter-based RNG: Philox keyed by the
     row's seed and the token id, so a row's draw depends on its logits, parameters and seed only).
-    torch.sort (top-p) or torch.topk (top-k only) orders the logits; one host sync reads which is needed."""
+    torch.sort (top-p) or torch.topk (top-k only) orders the logits. Which is needed comes from the hints
+    use_top_p and max_top_k when the caller gives them (the engine knows them from the requests); otherwise
+    one host sync reads it from the tensors."""
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     num_rows, vocab = logits.shape
@@ -165,10 +172,11 @@ def sample_triton(
         return out
     temperature, top_p, min_p = (t.to(torch.float32).contiguous() for t in (temperature, top_p, min_p))
     top_k, seeds = top_k.contiguous(), seeds.to(torch.int64).contiguous()
-    sampled = temperature != 0
-    k_active = sampled & (top_k > 0) & (top_k < vocab)
-    flags = torch.stack([(sampled & (top_p < 1)).any().long(), torch.where(k_active, top_k, 0).max().long()])
-    use_top_p, max_top_k = (int(f) for f in flags.tolist())
+    if use_top_p is None or max_top_k is None:
+        sampled = temperature != 0
+        k_active = sampled & (top_k > 0) & (top_k < vocab)
+        flags = torch.stack([(sampled & (top_p < 1)).any().long(), torch.where(k_active, top_k, 0).max().long()])
+        use_top_p, max_top_k = (int(f) for f in flags.tolist())
     cutoff = temperature  # unused unless HAS_CUTOFF
     if use_top_p or max_top_k > 0:
         if use_top_p:

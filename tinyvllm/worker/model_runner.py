@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tinyvllm import ops
@@ -13,7 +14,7 @@ from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.scheduler import SchedulerOutput
 from tinyvllm.engine.sequence import Sequence
 from tinyvllm.ops import AttentionMetadata
-from tinyvllm.worker.sampler import Sampler, SamplerOutput
+from tinyvllm.worker.sampler import AsyncSamplerOutput, Sampler, SamplingTensors, step_seeds
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +26,44 @@ class ModelInput:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the hidden states whose next token is sampled
     sampled_seqs: list[Sequence]
+    sampling: SamplingTensors
+
+
+class Staging:
+    """A step's host arrays (any dtypes) packed into one buffer and copied to the device in one transfer.
+    On CUDA the buffer is pinned (allocating pinned memory per step costs more than the copy) and there
+    are two, used in turn: step N+1 is packed while step N's copy may still wait behind step N-1 in the
+    stream (async scheduling), but N-1's copy is done, since N-1's tokens have been read back."""
+
+    ALIGN = 8  # every array starts 8-byte aligned, so that its device slice can be viewed as its dtype
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+        self._turn = 0
+
+    def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        if self.device.type != "cuda":
+            return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+        offsets, total = [], 0
+        for a in arrays:
+            offsets.append(total)
+            total += -(-a.nbytes // self.ALIGN) * self.ALIGN
+        buffer = self._buffers[self._turn]
+        if buffer.numel() < total:
+            buffer = self._buffers[self._turn] = torch.empty(max(total, 2 * buffer.numel()), dtype=torch.uint8,
+                                                             pin_memory=True)
+        self._turn ^= 1
+        host = buffer.numpy()
+        for a, offset in zip(arrays, offsets):
+            host[offset:offset + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        device = buffer[:total].to(self.device, non_blocking=True)
+        return [device[offset:offset + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
+                for a, offset in zip(arrays, offsets)]
+
+
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
+                 np.dtype(np.float32): torch.float32}
 
 
 class ModelRunner:
@@ -41,8 +80,8 @@ class ModelRunner:
         self.num_blocks = self._decide_num_blocks()
         self._allocate_kv_cache(self.num_blocks)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._staging = torch.empty(0, dtype=torch.int64)
-        self._staging_np = self._staging.numpy()
+        self._staging = Staging(device)
+        self._init_rows(2 * config.max_num_seqs)
         if device.type == "cuda" and not config.enforce_eager and ops.triton_available():
             self.capture_cudagraphs()  # (the reference ops synchronize with the host: not capturable)
 
@@ -118,65 +157,127 @@ class ModelRunner:
             layer.self_attn.k_cache = layer.self_attn.v_cache = torch.empty(0)
 
     # ---- one step ---------------------------------------------------------------------------------
-    def prepare(self, batch: SchedulerOutput) -> ModelInput:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu_query_lens = [0]
-        context_lens: list[int] = []
-        logits_indices: list[int] = []
-        sampled: list[Sequence] = []
-        bs = self.block_size
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            cu_query_lens.append(cu_query_lens[-1] + num_new)
-            context_lens.append(end)
-            if end == seq.num_tokens:  # the last known token is in this step: sample the next
-                logits_indices.append(cu_query_lens[-1] - 1)
-                sampled.append(seq)
-        max_blocks = max(len(s.block_table) for s in batch.seqs)
-        tables = [x for s in batch.seqs for x in s.block_table + [0] * (max_blocks - len(s.block_table))]
-        parts = (input_ids, positions, slots, logits_indices, cu_query_lens, context_lens, tables)
-        input_ids_t, positions_t, slots_t, logits_t, cu_t, context_t, tables_t = self._to_device(parts)
-        meta = AttentionMetadata(
-            cu_query_lens=cu_t, context_lens=context_t, block_tables=tables_t.view(len(batch.seqs), max_blocks),
-            slot_mapping=slots_t, max_query_len=max(batch.num_new_tokens), max_context_len=max(context_lens))
-        return ModelInput(input_ids_t, positions_t, meta, logits_t, sampled)
+    # Each sequence in the batch holds a row of persistent host arrays: its block table (only blocks it
+    # gained since the last step are written) and its sampling parameters (written once). A step gathers
+    # the rows it needs with numpy, so its host cost is a few numpy calls plus one short loop for the
+    # token ids, not a Python list of every block of every sequence.
+    def _init_rows(self, capacity: int) -> None:
+        self._rows: dict[int, int] = {}
+        self._free_rows = list(range(capacity - 1, -1, -1))
+        self._tables = np.zeros((capacity, self.max_blocks_per_seq), dtype=np.int32)
+        self._synced = np.zeros(capacity, dtype=np.int64)  # block-table entries written per row
+        self._temperature = np.zeros(capacity, dtype=np.float32)
+        self._top_k = np.zeros(capacity, dtype=np.int64)
+        self._top_p = np.ones(capacity, dtype=np.float32)
+        self._min_p = np.zeros(capacity, dtype=np.float32)
+        self._seeds = np.zeros(capacity, dtype=np.uint64)
 
-    def _to_device(self, parts: tuple[list[int], ...]) -> list[torch.Tensor]:
-        """All of a step's index arrays in one host-to-device copy, through a pinned staging buffer that
-        lives as long as the runner (allocating pinned memory per step costs more than the copy). The
-        step's sampled tokens are read back before the next step writes the buffer, so reuse is safe."""
-        sizes = [len(p) for p in parts]
-        total = sum(sizes)
-        if self.device.type != "cuda":
-            return list(torch.tensor([x for p in parts for x in p], dtype=torch.int64).split(sizes))
-        if self._staging.numel() < total:
-            self._staging = torch.empty(max(total, 2 * self._staging.numel()), dtype=torch.int64, pin_memory=True)
-            self._staging_np = self._staging.numpy()
-        offset = 0
-        for part, size in zip(parts, sizes):
-            self._staging_np[offset:offset + size] = part
-            offset += size
-        return list(self._staging[:total].to(self.device, non_blocking=True).split(sizes))
+    def _grow_rows(self) -> None:
+        old = self._tables.shape[0]
+        for name in ("_tables", "_synced", "_temperature", "_top_k", "_top_p", "_min_p", "_seeds"):
+            array = getattr(self, name)
+            grown = np.zeros((2 * old, *array.shape[1:]), dtype=array.dtype)
+            grown[:old] = array
+            setattr(self, name, grown)
+        self._free_rows.extend(range(2 * old - 1, old - 1, -1))
+
+    def _row(self, seq: Sequence) -> int:
+        row = self._rows.get(seq.seq_id)
+        if row is None:
+            if not self._free_rows:
+                self._grow_rows()
+            row = self._rows[seq.seq_id] = self._free_rows.pop()
+            self._synced[row] = 0
+            p = seq.params
+            self._temperature[row] = 0.0 if p.greedy else p.temperature
+            self._top_k[row], self._top_p[row], self._min_p[row] = p.top_k, p.top_p, p.min_p
+            self._seeds[row] = seq.seed
+        table, synced = seq.block_table, int(self._synced[row])
+        if len(table) > synced:
+            self._tables[row, synced:len(table)] = table[synced:]
+            self._synced[row] = len(table)
+        return row
+
+    def prepare(self, batch: SchedulerOutput, prev: AsyncSamplerOutput | None = None) -> ModelInput:
+        """The batch's tensors. A token that the previous step sampled and the host has not read yet
+        (a placeholder, with async scheduling) is taken from that step's output on the device."""
+        for seq_id in batch.released:
+            row = self._rows.pop(seq_id, None)
+            if row is not None:
+                self._free_rows.append(row)
+        seqs, bs = batch.seqs, self.block_size
+        n = len(seqs)
+        rows = np.fromiter((self._row(s) for s in seqs), dtype=np.int64, count=n)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
+        num_new = np.array(batch.num_new_tokens, dtype=np.int64)
+        ends = starts + num_new
+        cu = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(num_new, out=cu[1:])
+        total = int(cu[-1])
+        if total == n:  # decode: one token per sequence
+            positions, token_rows = starts, rows
+        else:
+            positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1] - starts, num_new)
+            token_rows = np.repeat(rows, num_new)
+        slots = self._tables[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        width = int((ends.max() + bs - 1) // bs)
+        tables = self._tables[rows, :width]
+
+        input_ids: list[int] = []
+        pending_dst: list[int] = []
+        pending_src: list[int] = []
+        sampled: list[int] = []
+        for i, seq in enumerate(seqs):
+            start, end = int(starts[i]), int(ends[i])
+            input_ids.extend(seq.token_ids[start:end])
+            if seq.num_pending and end > seq.num_tokens - seq.num_pending:
+                # Only the previous step's token can still be pending, and it is this step's last input.
+                assert prev is not None and end == seq.num_tokens - seq.num_pending + 1, seq
+                pending_dst.append(int(cu[i + 1]) - 1)
+                pending_src.append(prev.row_of[seq.seq_id])
+            if end == seq.num_tokens:  # the last token is in this step: sample the next
+                sampled.append(i)
+        sampled_seqs = [seqs[i] for i in sampled]
+        sampled_np = np.array(sampled, dtype=np.int64)
+        sample_rows = rows[sampled_np]
+        steps = np.fromiter((s.num_output_tokens for s in sampled_seqs), dtype=np.int64, count=len(sampled))
+        temperature = self._temperature[sample_rows]
+        top_k = self._top_k[sample_rows]
+        active_k = (temperature != 0) & (top_k > 0) & (top_k < self.model_config.vocab_size)
+        arrays = [np.array(input_ids, dtype=np.int64), positions, slots, cu[1:][sampled_np] - 1,
+                  cu.astype(np.int32), ends.astype(np.int32), tables,
+                  np.array(pending_dst, dtype=np.int64), np.array(pending_src, dtype=np.int64),
+                  temperature, top_k, self._top_p[sample_rows], self._min_p[sample_rows],
+                  step_seeds(self._seeds[sample_rows], steps)]
+        (ids_t, positions_t, slots_t, logits_t, cu_t, context_t, tables_t, dst_t, src_t,
+         temperature_t, top_k_t, top_p_t, min_p_t, seeds_t) = self._staging.upload(arrays)
+        if pending_dst:
+            ids_t[dst_t] = prev.token_ids[src_t]
+        meta = AttentionMetadata(cu_query_lens=cu_t, context_lens=context_t, block_tables=tables_t,
+                                 slot_mapping=slots_t, max_query_len=int(num_new.max()),
+                                 max_context_len=int(ends.max()))
+        sampled_greedy = temperature == 0
+        sampling = SamplingTensors(
+            temperature_t, top_k_t, top_p_t, min_p_t, seeds_t, all_greedy=bool(sampled_greedy.all()),
+            use_top_p=bool(((self._top_p[sample_rows] < 1) & ~sampled_greedy).any()),
+            max_top_k=int(top_k[active_k].max()) if active_k.any() else 0)
+        return ModelInput(ids_t, positions_t, meta, logits_t, sampled_seqs, sampling)
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> SamplerOutput:
-        """Runs one step; returns the sampled token (and logprobs) of each sequence that gets one."""
-        inputs = self.prepare(batch)
+    def execute(self, batch: SchedulerOutput, prev: AsyncSamplerOutput | None = None) -> AsyncSamplerOutput:
+        """Launches one step; its sampled tokens (for the sequences that get one) come back through the
+        returned AsyncSamplerOutput. `prev`: the step before, whose tokens may still be pending."""
+        inputs = self.prepare(batch, prev)
         num_seqs = len(batch.seqs)
         if inputs.meta.is_decode and self.graphs and num_seqs <= self.graph_batch_sizes[-1]:
             hidden = self._replay_graph(inputs, num_seqs)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sampled_seqs:
-            return SamplerOutput([], [], [])
+            return AsyncSamplerOutput([], torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64),
+                                      None, None)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return self.sampler(logits, inputs.sampled_seqs)
+        return self.sampler(logits, inputs.sampled_seqs, inputs.sampling)
 
     # ---- CUDA graphs for decode -----------------------------------------------------------------------
     # A decode step of a small model is tens of kernel launches per layer: on a slow host CPU, launching

@@ -1,10 +1,14 @@
 """The sampler: from each sequence's final logits to its next token, applying that sequence's
-SamplingParams (penalties, min_tokens, temperature, top-k/top-p/min-p, seed, logprobs)."""
+SamplingParams (penalties, min_tokens, temperature, top-k/top-p/min-p, seed, logprobs).
+
+Nothing here waits for the GPU: the tokens stay on the device (the next step may read them there, with
+async scheduling) and are copied to pinned host memory behind an event; AsyncSamplerOutput.get() waits."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tinyvllm import ops
@@ -12,14 +16,41 @@ from tinyvllm.engine.sequence import Sequence
 from tinyvllm.outputs import Logprob
 
 _MASK64 = (1 << 63) - 1
+_SEED_MULTIPLIERS = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
 
 def step_seed(seed: int, step: int) -> int:
     """A 63-bit seed for one draw, a function of the sequence's seed and how many tokens it has
     generated only, so that a seeded sequence draws the same tokens whatever else runs with it."""
-    x = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9) & _MASK64
+    a, b, c = _SEED_MULTIPLIERS
+    x = (seed * a + step * b) & _MASK64
     x ^= x >> 31
-    return (x * 0x94D049BB133111EB) & _MASK64
+    return (x * c) & _MASK64
+
+
+def step_seeds(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """step_seed over arrays (uint64 arithmetic wraps modulo 2^64, and the mask keeps 63 bits, so the
+    values are step_seed's), as int64."""
+    a, b, c = (np.uint64(m) for m in _SEED_MULTIPLIERS)
+    mask = np.uint64(_MASK64)
+    x = (seeds.astype(np.uint64) * a + steps.astype(np.uint64) * b) & mask
+    x ^= x >> np.uint64(31)
+    return ((x * c) & mask).astype(np.int64)
+
+
+@dataclass
+class SamplingTensors:
+    """A step's per-row sampling parameters on the device, with host-side facts about them so that the
+    sampler picks its path without reading anything back."""
+
+    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    top_k: torch.Tensor  # [B] int64, <= 0 = off
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    seeds: torch.Tensor  # [B] int64, this draw's seed (step_seed)
+    all_greedy: bool
+    use_top_p: bool  # some sampled row has top_p < 1
+    max_top_k: int  # the largest active top_k of a sampled row, 0 for none
 
 
 @dataclass
@@ -29,59 +60,88 @@ class SamplerOutput:
     logprobs: list[dict[int, Logprob] | None]
 
 
+class AsyncSamplerOutput:
+    """A step's sampled tokens on their way to the host. `token_ids` (on the device) feeds the next
+    step's inputs; get() waits for the copy and returns the SamplerOutput."""
+
+    def __init__(self, seqs: list[Sequence], token_ids: torch.Tensor, host: torch.Tensor,
+                 event: torch.cuda.Event | None, raw_logprobs: torch.Tensor | None) -> None:
+        self.seqs = seqs
+        self.token_ids = token_ids
+        self.row_of = {seq.seq_id: row for row, seq in enumerate(seqs)}
+        self._host, self._event, self._raw_logprobs = host, event, raw_logprobs
+
+    def get(self) -> SamplerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        token_ids = self._host.tolist()
+        logprobs: list[dict[int, Logprob] | None] = [None] * len(self.seqs)
+        if self._raw_logprobs is not None:
+            for row, (seq, token) in enumerate(zip(self.seqs, token_ids)):
+                if seq.params.logprobs is not None:
+                    logprobs[row] = _logprobs_of(self._raw_logprobs[row], token, seq.params.logprobs)
+        return SamplerOutput(self.seqs, token_ids, logprobs)
+
+
+def _logprobs_of(row: torch.Tensor, token: int, top_n: int) -> dict[int, Logprob]:
+    chosen = row[token]
+    result = {token: Logprob(chosen.item(), int((row > chosen).sum().item()) + 1)}
+    if top_n:
+        values, indices = row.topk(top_n)
+        for rank, (value, index) in enumerate(zip(values.tolist(), indices.tolist()), start=1):
+            result.setdefault(index, Logprob(value, rank))
+    return result
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        # Two pinned buffers for the tokens' copy to the host, used in turn: step N's is read while step
+        # N+1's copy is queued (async scheduling); N+2 reuses N's, which has been read by then.
+        self._host_buffers: list[torch.Tensor] = []
+        self._turn = 0
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 sampling: SamplingTensors) -> AsyncSamplerOutput:
         params = [s.params for s in seqs]
         # Logprobs are those of the model's own distribution, before penalties and temperature.
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = self._apply_penalties(logits, seqs)
         logits = self._apply_min_tokens(logits, seqs)
-        if all(p.greedy for p in params):
-            token_tensor = logits.argmax(dim=-1)
+        if sampling.all_greedy:
+            token_ids = logits.argmax(dim=-1)
         else:
-            def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-                return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+            token_ids = ops.sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
+                                   sampling.seeds, use_top_p=sampling.use_top_p, max_top_k=sampling.max_top_k)
+        return AsyncSamplerOutput(seqs, token_ids, *self._to_host(token_ids), raw_logprobs)
 
-            token_tensor = ops.sample(
-                logits,
-                column([0.0 if p.greedy else p.temperature for p in params], torch.float32),
-                column([p.top_k for p in params], torch.int64),
-                column([p.top_p for p in params], torch.float32),
-                column([p.min_p for p in params], torch.float32),
-                column([step_seed(s.seed, s.num_output_tokens) for s in seqs], torch.int64),
-            )
-        token_ids = token_tensor.tolist()
-        logprobs: list[dict[int, Logprob] | None] = [None] * len(seqs)
-        if raw_logprobs is not None:
-            for row, (seq, token) in enumerate(zip(seqs, token_ids)):
-                if seq.params.logprobs is not None:
-                    logprobs[row] = self._logprobs_of(raw_logprobs[row], token, seq.params.logprobs)
-        return SamplerOutput(seqs, token_ids, logprobs)
-
-    @staticmethod
-    def _logprobs_of(row: torch.Tensor, token: int, top_n: int) -> dict[int, Logprob]:
-        chosen = row[token]
-        result = {token: Logprob(chosen.item(), int((row > chosen).sum().item()) + 1)}
-        if top_n:
-            values, indices = row.topk(top_n)
-            for rank, (value, index) in enumerate(zip(values.tolist(), indices.tolist()), start=1):
-                result.setdefault(index, Logprob(value, rank))
-        return result
+    def _to_host(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        if token_ids.device.type != "cuda":
+            return token_ids, None
+        n = token_ids.shape[0]
+        if not self._host_buffers or self._host_buffers[0].shape[0] < n:
+            size = max(n, 2 * self._host_buffers[0].shape[0] if self._host_buffers else 256)
+            self._host_buffers = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        host = self._host_buffers[self._turn][:n]
+        self._turn ^= 1
+        host.copy_(token_ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """vLLM's semantics: repetition divides positive (multiplies negative) logits of every token
-        seen in prompt or output; frequency and presence subtract per output occurrence / once."""
+        seen in prompt or output; frequency and presence subtract per output occurrence / once. (The
+        engine never overlaps a step with penalties: their token histories must be known.)"""
         rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
         if not rows:
             return logits
         logits = logits.clone()
         for i in rows:
             seq, p = seqs[i], seqs[i].params
+            assert not seq.num_pending, "penalties need every earlier token on the host"
             if p.repetition_penalty != 1.0:
                 seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
                 values = logits[i, seen]
