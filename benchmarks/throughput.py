@@ -82,6 +82,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256,
                         help="below the number of prompts, static batching waits on each batch's longest request")
     parser.add_argument("--trace", action="store_true", help="time every step: decode-only vs mixed, by batch")
+    parser.add_argument("--repeat", type=int, default=1, help="run each scheduling policy this many times, "
+                        "alternating (a fresh engine each time), to see the run-to-run spread")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     path = args.model or random_llama_1b()
@@ -97,7 +99,9 @@ def main() -> None:
     print(f"throughput-{args.num_prompts} (max_num_seqs {args.max_num_seqs}, prefix caching {caching}) "
           f"on {result['gpu']} at {result['commit']}: "
           f"{sum(map(len, prompts))} prompt tokens, {sum(p.max_tokens for p in params)} output tokens")
-    for scheduling in ("continuous",) + (() if args.no_static else ("static",)):
+    policies = ("continuous",) + (() if args.no_static else ("static",))
+    for run, scheduling in enumerate(policies * args.repeat):
+        name = scheduling if run < len(policies) else f"{scheduling} (run {run // len(policies) + 1})"
         llm = LLM(path, skip_tokenizer_init=True, scheduling=scheduling, enforce_eager=args.enforce_eager,
                   async_scheduling=not args.no_async_scheduling,
                   max_model_len=4096, max_num_seqs=args.max_num_seqs,
@@ -109,15 +113,22 @@ def main() -> None:
             print("    steps:", ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                          for k, v in r["trace"].items()))
         r["num_kv_blocks"] = llm.llm_engine.block_manager.num_blocks
-        result[scheduling] = r
-        print(f"  tinyvllm {scheduling}: {r['output_tok_per_s']:,.0f} output tok/s ({r['seconds']:.1f} s, "
+        result.setdefault(scheduling, r)
+        result.setdefault("runs", []).append({"scheduling": scheduling, **r})
+        print(f"  tinyvllm {name}: {r['output_tok_per_s']:,.0f} output tok/s ({r['seconds']:.1f} s, "
               f"{r['preemptions']} preemptions), {r['output_tok_per_s'] / SPEED_OF_LIGHT:.0%} of the "
               f"~{SPEED_OF_LIGHT:,} tok/s speed of light")
         del llm
         torch.cuda.empty_cache()
     if "static" in result:
-        ratio = result["continuous"]["output_tok_per_s"] / result["static"]["output_tok_per_s"]
-        print(f"  continuous / static: {ratio:.2f}x")
+        import statistics
+
+        def median(policy: str) -> float:
+            return statistics.median(r["output_tok_per_s"] for r in result["runs"] if r["scheduling"] == policy)
+
+        ratio = median("continuous") / median("static")
+        note = f" (medians of {args.repeat} runs each)" if args.repeat > 1 else ""
+        print(f"  continuous / static: {ratio:.2f}x{note}")
     if not args.no_peer:
         short = prompts[: args.peer_prompts]
         try:

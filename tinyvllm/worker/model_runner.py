@@ -312,6 +312,8 @@ class ModelRunner:
                 self.graph_outputs[:bs] = self.model(*args)
             pool = graph.pool()
             self.graphs[bs] = graph
+        for graph in self.graphs.values():
+            graph.replay()  # the first replay uploads the graph to the device: pay for it now, not mid-run
         torch.cuda.synchronize()
 
     def _replay_graph(self, inputs: ModelInput, num_seqs: int) -> torch.Tensor:
