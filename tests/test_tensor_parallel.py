@@ -234,3 +234,64 @@ def test_tensor_parallel_sizes_are_checked(checkpoints):
         check_tensor_parallel_size(config, 2, "cuda", num_gpus=1)
     with pytest.raises(ConfigError, match="num_attention_heads=4"):
         build(checkpoints["gqa-tied-odd-vocab"], TensorParallel(0, 3))
+
+
+# ---- the engine: LLM(tensor_parallel_size=N), ranks 1..N-1 in worker processes ----------------------------
+
+
+def engine_outputs(path: str, prompts, params, **kwargs):
+    from tinyvllm import LLM
+
+    llm = LLM(path, device="cpu", **kwargs)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        llm.llm_engine.block_manager.check_whole()
+        return [o.outputs[0].token_ids for o in outputs]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_engine_greedy_outputs_equal_one_rank(checkpoints, name, async_scheduling):
+    from tinyvllm import SamplingParams
+
+    prompts = [[(7 * i + j) % 200 + 2 for j in range(3 + 11 * i)] for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    kwargs = dict(skip_tokenizer_init=True, num_kv_blocks=32, block_size=16, max_num_batched_tokens=24,
+                  async_scheduling=async_scheduling)  # chunked prefill, mixed with decodes
+    one = engine_outputs(checkpoints[name], prompts, params, **kwargs)
+    two = engine_outputs(checkpoints[name], prompts, params, tensor_parallel_size=2, **kwargs)
+    assert two == one
+
+
+def test_embedded_model_with_three_ranks():
+    """SmolLM2-135M has 9 query and 3 KV heads: 3 ranks split it, 2 cannot (and say so)."""
+    from tinyvllm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=16)
+    prompts = ["The capital of France is", "Water boils at"]
+    one = engine_outputs(None, prompts, params, num_kv_blocks=64)
+    three = engine_outputs(None, prompts, params, num_kv_blocks=64, tensor_parallel_size=3)
+    assert three == one
+    with pytest.raises(ConfigError, match="does not divide the model's num_attention_heads=9"):
+        LLM(device="cpu", tensor_parallel_size=2)
+
+
+def test_a_dead_worker_fails_the_engine_loudly(checkpoints):
+    import signal
+
+    from tinyvllm import LLM, SamplingParams
+
+    llm = LLM(checkpoints["gqa-tied-odd-vocab"], skip_tokenizer_init=True, device="cpu", num_kv_blocks=32,
+              tensor_parallel_size=2)
+    try:
+        worker = llm.llm_engine.workers.processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"worker rank 1 \(exit code -9\) died"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
+        assert time.monotonic() - start < 10
+    finally:
+        llm.llm_engine.shutdown()

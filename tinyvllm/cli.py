@@ -25,6 +25,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--scheduling", default="continuous", choices=["continuous", "static"])
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many processes (GPUs on CUDA; gloo ranks on the CPU)")
     g.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
                    help="schedule the next step while the GPU runs this one (default: on for CUDA, off on the CPU)")
 
@@ -35,7 +37,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                 num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
                 enforce_eager=args.enforce_eager, scheduling=args.scheduling,
-                async_scheduling=args.async_scheduling)
+                async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -163,8 +163,8 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"num_kv_blocks must be at least 1, not {self.num_kv_blocks}")
-        if self.tensor_parallel_size != 1:
-            raise ConfigError("tensor_parallel_size > 1 is not supported yet")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be a positive integer, not {self.tensor_parallel_size!r}")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

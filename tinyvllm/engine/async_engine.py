@@ -262,6 +262,10 @@ class AsyncLLMEngine:
             self.dead_reason = self.dead_reason or "the engine stopped"
             self._stats = engine.get_stats()
             self._post(self._fail_all, EngineDeadError(self.dead_reason))
+            try:
+                engine.shutdown()  # (tensor-parallel workers)
+            except Exception:
+                logger.exception("stopping the tensor-parallel workers failed")
 
     def _handle(self, command: Any) -> None:
         engine = self.engine

@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.config import EngineConfig, ModelConfig, check_tensor_parallel_size
+from tinyvllm.distributed import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.scheduler import Scheduler, SchedulerOutput
 from tinyvllm.engine.sequence import Sequence, SequenceStatus
@@ -22,6 +23,7 @@ from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import IncrementalDetokenizer, load_tokenizer
 from tinyvllm.worker.model_runner import ModelRunner
 from tinyvllm.worker.sampler import AsyncSamplerOutput, step_seed
+from tinyvllm.worker.worker import TensorParallelWorkers, free_tcp_init_method
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +63,17 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context of {limit} tokens")
         self.max_model_len = config.max_model_len or limit
         self.tokenizer: Any = None if config.skip_tokenizer_init else load_tokenizer(self.model_path)
-        model = build_model(self.model_config, self.model_path, self.device, self.dtype, self.max_model_len)
-        self.model_runner = ModelRunner(model, self.model_config, config, self.device, self.dtype,
-                                        self.max_model_len)
+        tp, self.workers = self._start_tensor_parallel()
+        try:
+            model = build_model(self.model_config, self.model_path, self.device, self.dtype, self.max_model_len,
+                                tp=tp)
+            self.model_runner = ModelRunner(model, self.model_config, config, self.device, self.dtype,
+                                            self.max_model_len, tp)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.shutdown(timeout_s=0)
+                destroy_tensor_parallel()
+            raise
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -78,6 +88,32 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.async_scheduling = config.resolve_async_scheduling(self.device)
         self._in_flight: tuple[SchedulerOutput, AsyncSamplerOutput] | None = None
+
+    def _start_tensor_parallel(self) -> tuple[TensorParallel, TensorParallelWorkers | None]:
+        """With tensor_parallel_size N > 1: start ranks 1..N-1 and join their group as rank 0."""
+        size = self.config.tensor_parallel_size
+        if size == 1:
+            return TensorParallel(), None
+        check_tensor_parallel_size(self.model_config, size, self.device.type)
+        init_method = free_tcp_init_method()
+        workers = TensorParallelWorkers(self.config, self.model_path, self.device, self.dtype, self.max_model_len,
+                                        init_method)
+        try:
+            return init_tensor_parallel(0, size, init_method, self.device), workers
+        except BaseException:
+            workers.shutdown(timeout_s=0)
+            raise
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do for one rank). The engine is unusable after."""
+        if self.workers is not None:
+            try:
+                if self.workers.all_alive():  # (a dead one would leave the others waiting in the broadcast)
+                    self.model_runner.stop_workers()
+            finally:
+                self.workers.shutdown()
+                destroy_tensor_parallel()
+                self.workers = None
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -169,6 +205,16 @@ class LLMEngine:
     # model runner takes from the GPU); a sequence that turns out to have stopped at its pending token
     # has computed one token in vain, which is dropped. Each call returns one step's outputs.
     def step(self) -> list[RequestOutput]:
+        if self.workers is not None:
+            self.workers.check_alive()
+            try:
+                return self._step()
+            except RuntimeError:
+                self.workers.check_alive()  # a worker that died mid-step is the error to report
+                raise
+        return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
             in_flight = self._launch(None)

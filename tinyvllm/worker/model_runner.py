@@ -8,9 +8,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from tinyvllm import ops
 from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.distributed import TensorParallel
 from tinyvllm.engine.scheduler import SchedulerOutput
 from tinyvllm.engine.sequence import Sequence
 from tinyvllm.ops import AttentionMetadata
@@ -30,10 +32,11 @@ class ModelInput:
 
 
 class Staging:
-    """A step's host arrays (any dtypes) packed into one buffer and copied to the device in one transfer.
-    On CUDA the buffer is pinned (allocating pinned memory per step costs more than the copy) and there
-    are two, used in turn: step N+1 is packed while step N's copy may still wait behind step N-1 in the
-    stream (async scheduling), but N-1's copy is done, since N-1's tokens have been read back."""
+    """A step's host arrays (any dtypes) packed into one buffer and copied to the device in one transfer
+    (and, with tensor parallelism, broadcast to the other ranks as one tensor). On CUDA the buffer is
+    pinned (allocating pinned memory per step costs more than the copy). There are two, used in turn:
+    step N+1 is packed while step N's copy may still wait behind step N-1 in the stream (async
+    scheduling), but N-1's copy is done, since N-1's tokens have been read back."""
 
     # Every array starts 16-byte aligned: Triton specializes a kernel on whether each pointer argument is
     # a multiple of 16, so arrays at varying 8-byte offsets would compile new variants mid-run (measured:
@@ -45,34 +48,58 @@ class Staging:
         self._buffers = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
         self._turn = 0
 
-    def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        if self.device.type != "cuda":
-            return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
-        offsets, total = [], 0
+    @classmethod
+    def layout(cls, arrays: list[np.ndarray]) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(byte offset, dtype code, shape) of each array in the packed buffer."""
+        result, offset = [], 0
         for a in arrays:
-            offsets.append(total)
-            total += -(-a.nbytes // self.ALIGN) * self.ALIGN
+            result.append((offset, DTYPE_CODES[a.dtype], a.shape))
+            offset += -(-a.nbytes // cls.ALIGN) * cls.ALIGN
+        return result
+
+    def upload(self, arrays: list[np.ndarray]) -> tuple[torch.Tensor, list[tuple[int, int, tuple[int, ...]]]]:
+        """The packed device buffer and its layout (Staging.views turns them into tensors)."""
+        layout = self.layout(arrays)
+        total = layout[-1][0] + arrays[-1].nbytes if arrays else 0
         buffer = self._buffers[self._turn]
         if buffer.numel() < total:
-            buffer = self._buffers[self._turn] = torch.empty(max(total, 2 * buffer.numel()), dtype=torch.uint8,
-                                                             pin_memory=True)
+            size = max(total, 2 * buffer.numel())
+            buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+            self._buffers[self._turn] = buffer
         self._turn ^= 1
         host = buffer.numpy()
-        for a, offset in zip(arrays, offsets):
+        for a, (offset, _, _) in zip(arrays, layout):
             host[offset:offset + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
-        device = buffer[:total].to(self.device, non_blocking=True)
-        return [device[offset:offset + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
-                for a, offset in zip(arrays, offsets)]
+        if self.device.type != "cuda":  # the CPU runs the step from the buffer itself
+            return buffer[:total], layout
+        return buffer[:total].to(self.device, non_blocking=True), layout
+
+    @staticmethod
+    def views(buffer: torch.Tensor, layout: list[tuple[int, int, tuple[int, ...]]]) -> list[torch.Tensor]:
+        views = []
+        for offset, code, shape in layout:
+            dtype = TORCH_DTYPES[code]
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            views.append(buffer[offset:offset + nbytes].view(dtype).view(shape))
+        return views
 
 
-_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
-                 np.dtype(np.float32): torch.float32}
+DTYPE_CODES = {np.dtype(np.int64): 0, np.dtype(np.int32): 1, np.dtype(np.float32): 2}
+TORCH_DTYPES = [torch.int64, torch.int32, torch.float32]
+
+# With tensor parallelism rank 0 broadcasts each step as a fixed-size int64 header (what follows, the
+# batch's two maxima and the layout) and then the packed buffer; the other ranks rebuild the step from them.
+_HEADER_SIZE = 128
+_STEP, _STOP = 1, 2
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
-                 device: torch.device, dtype: torch.dtype, max_model_len: int) -> None:
+                 device: torch.device, dtype: torch.dtype, max_model_len: int,
+                 tp: TensorParallel = TensorParallel()) -> None:
         self.model = model
+        self.tp = tp
+        self.num_kv_heads = model.model.layers[0].self_attn.num_kv_heads  # this rank's share
         self.model_config = model_config
         self.config = config
         self.device = device
@@ -85,22 +112,30 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._staging = Staging(device)
         self._init_rows(2 * config.max_num_seqs)
-        if device.type == "cuda" and not config.enforce_eager and ops.triton_available():
-            self.capture_cudagraphs()  # (the reference ops synchronize with the host: not capturable)
+        # (The reference ops synchronize with the host, so they are not capturable; and graphs holding NCCL
+        # collectives are not captured yet: tensor parallelism runs eager.)
+        if device.type == "cuda" and not config.enforce_eager and ops.triton_available() and tp.size == 1:
+            self.capture_cudagraphs()
 
     # ---- KV cache -------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
         c = self.model_config
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        return 2 * c.num_layers * self.block_size * self.num_kv_heads * c.head_dim * self.dtype.itemsize
 
     def _decide_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         enough = self.config.max_num_seqs * self.max_blocks_per_seq  # more is never used
         if self.device.type == "cuda":
-            return min(enough, self._profile_num_blocks())
-        budget = int(self.config.cpu_kv_cache_gb * 2**30)
-        return max(1, min(enough, budget // self.bytes_per_block()))
+            num_blocks = min(enough, self._profile_num_blocks())
+        else:
+            budget = int(self.config.cpu_kv_cache_gb * 2**30)
+            num_blocks = max(1, min(enough, budget // self.bytes_per_block()))
+        if self.tp.size > 1:  # every rank holds the same blocks (of its heads): the least any rank can hold
+            count = torch.tensor([num_blocks], device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.tp.group)
+            num_blocks = int(count.item())
+        return num_blocks
 
     @torch.inference_mode()
     def _profile_num_blocks(self) -> int:
@@ -150,7 +185,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.model_config
-        shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        shape = (num_blocks, self.block_size, self.num_kv_heads, c.head_dim)
         for layer in self.model.model.layers:
             layer.self_attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.self_attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -252,13 +287,16 @@ class ModelRunner:
                   np.array(pending_dst, dtype=np.int64), np.array(pending_src, dtype=np.int64),
                   temperature, top_k, self._top_p[sample_rows], self._min_p[sample_rows],
                   step_seeds(self._seeds[sample_rows], steps)]
+        buffer, layout = self._staging.upload(arrays)
         (ids_t, positions_t, slots_t, logits_t, cu_t, context_t, tables_t, dst_t, src_t,
-         temperature_t, top_k_t, top_p_t, min_p_t, seeds_t) = self._staging.upload(arrays)
+         temperature_t, top_k_t, top_p_t, min_p_t, seeds_t) = Staging.views(buffer, layout)
         if pending_dst:
             ids_t[dst_t] = prev.token_ids[src_t]
+        max_query_len, max_context_len = int(num_new.max()), int(ends.max())
+        if self.tp.size > 1:
+            self._broadcast_step(buffer, layout, max_query_len, max_context_len)
         meta = AttentionMetadata(cu_query_lens=cu_t, context_lens=context_t, block_tables=tables_t,
-                                 slot_mapping=slots_t, max_query_len=int(num_new.max()),
-                                 max_context_len=int(ends.max()))
+                                 slot_mapping=slots_t, max_query_len=max_query_len, max_context_len=max_context_len)
         sampled_greedy = temperature == 0
         sampling = SamplingTensors(
             temperature_t, top_k_t, top_p_t, min_p_t, seeds_t, all_greedy=bool(sampled_greedy.all()),
@@ -281,6 +319,45 @@ class ModelRunner:
                                       None, None)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return self.sampler(logits, inputs.sampled_seqs, inputs.sampling)
+
+    # ---- tensor parallelism: rank 0 sends each step, the other ranks run it ---------------------------
+    def _broadcast_step(self, buffer: torch.Tensor, layout: list, max_query_len: int, max_context_len: int) -> None:
+        fields = [_STEP, buffer.numel(), max_query_len, max_context_len, len(layout)]
+        for offset, code, shape in layout:
+            fields += [offset, code, len(shape), *shape, *[0] * (2 - len(shape))]
+        header = torch.zeros(_HEADER_SIZE, dtype=torch.int64)
+        header[: len(fields)] = torch.tensor(fields)
+        dist.broadcast(header.to(self.device), src=0, group=self.tp.group)
+        dist.broadcast(buffer, src=0, group=self.tp.group)
+
+    def stop_workers(self) -> None:
+        """Rank 0: tell the other ranks' serve_steps loops to return."""
+        header = torch.zeros(_HEADER_SIZE, dtype=torch.int64, device=self.device)
+        header[0] = _STOP
+        dist.broadcast(header, src=0, group=self.tp.group)
+
+    @torch.inference_mode()
+    def serve_steps(self) -> None:
+        """Ranks 1..N-1: run every step rank 0 broadcasts (the forward pass and this rank's share of the
+        logits, whose collectives pair with rank 0's), until it says stop."""
+        header = torch.empty(_HEADER_SIZE, dtype=torch.int64, device=self.device)
+        while True:
+            dist.broadcast(header, src=0, group=self.tp.group)
+            fields = header.tolist()
+            if fields[0] == _STOP:
+                return
+            total, max_query_len, max_context_len, num_arrays = fields[1:5]
+            layout = []
+            for i in range(num_arrays):
+                offset, code, ndim, *shape = fields[5 + 5 * i:10 + 5 * i]
+                layout.append((offset, code, tuple(shape[:ndim])))
+            buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
+            dist.broadcast(buffer, src=0, group=self.tp.group)
+            ids, positions, slots, logits_indices, cu, context, tables = Staging.views(buffer, layout)[:7]
+            meta = AttentionMetadata(cu, context, tables, slots, max_query_len, max_context_len)
+            hidden = self.model(ids, positions, meta)
+            if logits_indices.numel():
+                self.model.compute_logits(hidden[logits_indices])
 
     # ---- CUDA graphs for decode -----------------------------------------------------------------------
     # A decode step of a small model is tens of kernel launches per layer: on a slow host CPU, launching

@@ -1,0 +1,100 @@
+"""Tensor parallelism's other ranks: one process each (torch.multiprocessing, spawned), holding its shard
+of the model and of the KV cache, running the steps rank 0 (the engine's process) broadcasts.
+
+Rank 0 checks before every step that the workers are alive, so a worker that died fails the engine with
+its exit code instead of leaving rank 0 waiting in a collective; a worker whose parent dies is killed."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import socket
+import sys
+import traceback
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from tinyvllm.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+def free_tcp_init_method() -> str:
+    """A rendezvous address on loopback: a port the OS says is free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel kill this process when its parent dies, so no rank outlives the engine."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def worker_main(rank: int, config: EngineConfig, model_path: str, device: str, dtype: torch.dtype,
+                max_model_len: int, init_method: str, errors: Any) -> None:
+    """A rank > 0: join the group, build this rank's shard and runner, then run steps until told to stop."""
+    _die_with_parent()
+    from tinyvllm.distributed import destroy_tensor_parallel, init_tensor_parallel
+    from tinyvllm.model.loader import build_model, load_model_config
+    from tinyvllm.worker.model_runner import ModelRunner
+
+    try:
+        torch_device = torch.device(device)
+        tp = init_tensor_parallel(rank, config.tensor_parallel_size, init_method, torch_device)
+        if torch_device.type == "cuda":
+            torch_device = torch.device("cuda", rank)
+        model_config = load_model_config(model_path)
+        model = build_model(model_config, model_path, torch_device, dtype, max_model_len, tp=tp)
+        runner = ModelRunner(model, model_config, config, torch_device, dtype, max_model_len, tp)
+        runner.serve_steps()
+        destroy_tensor_parallel()
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+
+
+class TensorParallelWorkers:
+    """Ranks 1..N-1 of a tensor-parallel engine."""
+
+    def __init__(self, config: EngineConfig, model_path: str, device: torch.device, dtype: torch.dtype,
+                 max_model_len: int, init_method: str) -> None:
+        ctx = mp.get_context("spawn")
+        self._errors = ctx.Queue()
+        self.processes = [
+            ctx.Process(target=worker_main, name=f"tinyvllm-tp-rank{rank}", daemon=True,
+                        args=(rank, config, model_path, device.type, dtype, max_model_len, init_method,
+                              self._errors))
+            for rank in range(1, config.tensor_parallel_size)
+        ]
+        for process in self.processes:
+            process.start()
+
+    def all_alive(self) -> bool:
+        return all(p.exitcode is None for p in self.processes)
+
+    def check_alive(self) -> None:
+        """Raise if a worker has exited: its rank 0 would otherwise wait for it in the next collective."""
+        dead = [(rank, p.exitcode) for rank, p in enumerate(self.processes, start=1) if p.exitcode is not None]
+        if dead:
+            details = []
+            while not self._errors.empty():
+                rank, text = self._errors.get_nowait()
+                details.append(f"rank {rank}:\n{text}")
+            ranks = ", ".join(f"rank {rank} (exit code {code})" for rank, code in dead)
+            raise RuntimeError(f"tensor-parallel worker {ranks} died; the engine cannot go on"
+                               + ("\n" + "\n".join(details) if details else ""))
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        for process in self.processes:
+            process.join(timeout_s)
+            if process.is_alive():
+                process.kill()
+                process.join()
