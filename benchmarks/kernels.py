@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 from collections.abc import Callable
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 import triton.testing  # noqa: E402
 from common import attention_metadata as metadata  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
@@ -39,8 +41,10 @@ from tinyvllm.ops.attention import (  # noqa: E402
     prefill_config,
 )
 from tinyvllm.ops.layernorm import (  # noqa: E402
+    _launch_rms_norm,
     fused_add_rms_norm_ref,
     fused_add_rms_norm_triton,
+    rms_norm_config,
     rms_norm_ref,
     rms_norm_triton,
 )
@@ -291,6 +295,38 @@ def sweep() -> None:
             print(f"  {config}: failed ({type(error).__name__}: {str(error)[:100]})", flush=True)
     for batch, context in DECODE_SWEEP_SHAPES:
         sweep_decode(batch, context)
+    sweep_rms_norm()
+
+
+@triton.jit
+def _copy_rows_kernel(out_ptr, x_ptr, num_rows, hidden, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """RMSNorm's memory traffic without its arithmetic (same grid and tiles): what the launch shape costs."""
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    mask = (rows < num_rows) & (cols < hidden)
+    tl.store(out_ptr + rows * hidden + cols, tl.load(x_ptr + rows * hidden + cols, mask=mask), mask=mask)
+
+
+def sweep_rms_norm() -> None:
+    """GB/s of RMSNorm (alone and fused with the residual add) by rows per program and warps, beside a
+    copy with the same grid and tiles, at ELEMENTWISE_TOKENS x HIDDEN and 4x that."""
+    for tokens in (ELEMENTWISE_TOKENS, 4 * ELEMENTWISE_TOKENS):
+        _sweep_rms_norm_at(tokens)
+
+
+def _sweep_rms_norm_at(tokens: int) -> None:
+    x = torch.randn(tokens, HIDDEN, device=DEVICE, dtype=DTYPE)
+    residual, out = torch.randn_like(x), torch.empty_like(x)
+    weight = torch.randn(HIDDEN, device=DEVICE, dtype=DTYPE)
+    size = x.numel() * x.element_size()
+    print(f"\n## RMSNorm {tokens}x{HIDDEN} configs (rows per program, warps): GB/s alone / fused add / "
+          f"copy-only kernel; default {rms_norm_config(tokens, HIDDEN)}")
+    for config in itertools.product((1, 2, 4), (2, 4, 8, 16)):
+        alone = 2 * size / bench(lambda c=config: _launch_rms_norm(x, None, weight, 1e-5, c)) / 1e6
+        fused = 4 * size / bench(lambda c=config: _launch_rms_norm(x, residual, weight, 1e-5, c)) / 1e6
+        copy = 2 * size / bench(lambda r=config[0], w=config[1]: _copy_rows_kernel[(triton.cdiv(tokens, r),)](
+            out, x, tokens, HIDDEN, ROWS=r, BLOCK=HIDDEN, num_warps=w)) / 1e6
+        print(f"  {config}: {alone:.0f} / {fused:.0f} / {copy:.0f}", flush=True)
 
 
 def sweep_decode(batch: int, context: int) -> None:

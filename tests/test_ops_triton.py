@@ -71,6 +71,20 @@ def test_rms_norm(dtype: torch.dtype, hidden: int) -> None:
     _close(rms_norm_triton(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5))
 
 
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_several_rows_per_program(residual: bool) -> None:
+    from tinyvllm.ops.layernorm import _launch_rms_norm
+
+    x, res, weight = torch.randn(7, 96), torch.randn(7, 96), torch.randn(96)  # 7 rows: the last group is partial
+    normed, new_residual = _launch_rms_norm(x, res if residual else None, weight, 1e-5, config=(4, 2))
+    if residual:
+        ref_normed, ref_residual = fused_add_rms_norm_ref(x, res, weight, 1e-5)
+        torch.testing.assert_close(new_residual, ref_residual, atol=0, rtol=0)
+    else:
+        ref_normed = rms_norm_ref(x, weight, 1e-5)
+    _close(normed, ref_normed)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_add_rms_norm(dtype: torch.dtype) -> None:
     x, residual, weight = torch.randn(6, 80).to(dtype), torch.randn(6, 80).to(dtype), torch.rand(80).to(dtype)

@@ -27,28 +27,34 @@ def fused_add_rms_norm_ref(
 
 if triton is not None:
 
-    # One program per row, the whole row in registers:
+    # ROWS rows per program, each whole in registers:
     #   s = x + residual (rounded to x's dtype, stored as the new residual)   if HAS_RESIDUAL
     #   y = s * rsqrt(mean(s^2) + eps) * weight                                in float32
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_rows"])  # the token count varies per step: compile once
     def _rms_norm_kernel(
         out_ptr, new_residual_ptr, x_ptr, residual_ptr, weight_ptr,
-        hidden, stride_x, stride_residual, stride_out, stride_new_residual, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+        num_rows, hidden, stride_x, stride_residual, stride_out, stride_new_residual, eps,
+        HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     ):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < hidden
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+        cols = tl.arange(0, BLOCK)[None, :]
+        mask = (rows < num_rows) & (cols < hidden)
+        x = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
-            residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+            residual = tl.load(residual_ptr + rows * stride_residual + cols, mask=mask, other=0.0)
             x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
-            tl.store(new_residual_ptr + row * stride_new_residual + cols, x, mask=mask)
+            tl.store(new_residual_ptr + rows * stride_new_residual + cols, x, mask=mask)
         x = x.to(tl.float32)
-        inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
-        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = x * inv_rms * weight
-        tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+        inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / hidden + eps)
+        weight = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+        y = x * inv_rms[:, None] * weight
+        tl.store(out_ptr + rows * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_config(num_rows: int, hidden: int) -> tuple[int, int]:
+    """(ROWS per program, num_warps). See benchmarks/kernels.py --sweep."""
+    block = triton.next_power_of_2(hidden)
+    return 1, min(max(block // 256, 1), 16)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -58,20 +64,23 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+    config: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normed, new_residual); without a residual the second is the first (the caller drops it)."""
+    """(normed, new_residual); without a residual the second is the first (the caller drops it).
+    `config` overrides rms_norm_config (the sweep and the tests)."""
     hidden = x.shape[-1]
     x2 = _rows(x)
     res2 = _rows(residual) if residual is not None else x2
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     new_residual = torch.empty_like(out) if residual is not None else out
-    if x2.shape[0] > 0:
-        block = triton.next_power_of_2(hidden)
-        _rms_norm_kernel[(x2.shape[0],)](
+    num_rows = x2.shape[0]
+    if num_rows > 0:
+        rows, num_warps = config or rms_norm_config(num_rows, hidden)
+        _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
             out, new_residual, x2, res2, weight,
-            hidden, x2.stride(0), res2.stride(0), out.stride(0), new_residual.stride(0), eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
+            num_rows, hidden, x2.stride(0), res2.stride(0), out.stride(0), new_residual.stride(0), eps,
+            HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK=triton.next_power_of_2(hidden), num_warps=num_warps,
         )
     return out.reshape(x.shape), new_residual.reshape(x.shape)
 
