@@ -368,7 +368,9 @@ def paged_prefill_triton(
 
 
 _DECODE_MIN_PARTITION = 256  # tokens: below this a split's fixed cost outweighs the parallelism it adds
-_DECODE_TARGET_PROGRAMS = 1024  # about 8 programs per SM of an H100/H200
+# About 4 programs per SM of an H100/H200. benchmarks/kernels.py --sweep (2026-12-03): batch 64 x 2048 tokens
+# ran at 3,609 GB/s with one split (512 programs) against 2,980 with the two that a target of 1024 gave.
+_DECODE_TARGET_PROGRAMS = 512
 _DECODE_MAX_SPLITS = 64  # the combine kernel holds all splits of a head in registers
 
 
