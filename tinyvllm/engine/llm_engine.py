@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tinyvllm.config import EngineConfig, ModelConfig, check_tensor_parallel_size
-from tinyvllm.distributed import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
+from tinyvllm.distributed import ONE_GPU, TensorParallel, destroy_tensor_parallel, init_tensor_parallel
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.scheduler import Scheduler, SchedulerOutput
 from tinyvllm.engine.sequence import Sequence, SequenceStatus
@@ -94,7 +94,7 @@ class LLMEngine:
         size = self.config.tensor_parallel_size
         if size == 1:
             return TensorParallel(), None
-        check_tensor_parallel_size(self.model_config, size, self.device.type)
+        check_tensor_parallel_size(self.model_config, size, self.device.type, num_gpus=size if ONE_GPU else None)
         init_method = free_tcp_init_method()
         workers = TensorParallelWorkers(self.config, self.model_path, self.device, self.dtype, self.max_model_len,
                                         init_method)

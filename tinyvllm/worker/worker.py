@@ -42,15 +42,13 @@ def worker_main(rank: int, config: EngineConfig, model_path: str, device: str, d
                 max_model_len: int, init_method: str, errors: Any) -> None:
     """A rank > 0: join the group, build this rank's shard and runner, then run steps until told to stop."""
     _die_with_parent()
-    from tinyvllm.distributed import destroy_tensor_parallel, init_tensor_parallel
+    from tinyvllm.distributed import destroy_tensor_parallel, init_tensor_parallel, rank_device
     from tinyvllm.model.loader import build_model, load_model_config
     from tinyvllm.worker.model_runner import ModelRunner
 
     try:
-        torch_device = torch.device(device)
+        torch_device = rank_device(rank, torch.device(device))
         tp = init_tensor_parallel(rank, config.tensor_parallel_size, init_method, torch_device)
-        if torch_device.type == "cuda":
-            torch_device = torch.device("cuda", rank)
         model_config = load_model_config(model_path)
         model = build_model(model_config, model_path, torch_device, dtype, max_model_len, tp=tp)
         runner = ModelRunner(model, model_config, config, torch_device, dtype, max_model_len, tp)
