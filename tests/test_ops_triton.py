@@ -216,6 +216,7 @@ def test_decode_num_splits_heuristic() -> None:
     # batch 1, long context: many splits of >= 256 tokens; a big batch: one split (no combine pass)
     assert 16 <= decode_num_splits(1, 8, 8192) <= 8192 // 256
     assert decode_num_splits(256, 8, 8192) == 1
+    assert decode_num_splits(64, 8, 4096) == 1  # 512 programs already fill the GPU
     assert decode_num_splits(1, 8, 100) == 1
 
 
@@ -319,3 +320,116 @@ def test_sample_frequencies_follow_truncated_softmax(
     assert counts[~kept].sum() == 0, f"masked tokens drawn: {counts.tolist()}"
     chi2 = float(((counts[kept] - draws * expected[kept]) ** 2 / (draws * expected[kept])).sum())
     assert chi2 < _CHI2_CRITICAL[int(kept.sum()) - 2], f"chi2={chi2:.1f}, counts={counts.tolist()}"
+
+
+# The kernels split each row into chunks of chunk_size tokens (separate programs), then reduce the chunks'
+# winners: the tests force small chunks and blocks so that a row spans several chunks and a chunk several blocks.
+
+
+def _mixed_params() -> tuple[torch.Tensor, ...]:
+    """Ten rows: greedy ones (row 7 with top-k/top-p/min-p set, ignored), temperature alone, top-k, top-p,
+    min-p, their mixtures, and T < 0 (sampled at T = 1)."""
+    return (
+        torch.tensor([0.0, 0.6, 1.0, 1.5, -1.0, 0.8, 0.9, 0.0, 1.2, 0.7]),
+        torch.tensor([0, 0, 40, 0, 0, 5, 0, 7, 30, 0]),
+        torch.tensor([1.0, 1.0, 1.0, 0.8, 1.0, 0.9, 1.0, 0.5, 0.95, 1.0]),
+        torch.tensor([0.0, 0.0, 0.0, 0.0, 0.1, 0.0, 0.05, 0.2, 0.02, 0.3]),
+        torch.arange(10) * 7919 + 3,
+    )
+
+
+@pytest.mark.parametrize("vocab,chunkings", [
+    (300, [(64, None), (100, 32)]),  # the whole row in one program packs 4 rows per program
+    (3000, [(None, None), (1000, None), (768, 256)]),
+])
+def test_sample_chunking_does_not_change_the_draw(vocab: int, chunkings: list) -> None:
+    logits = 3 * torch.randn(10, vocab, generator=torch.Generator().manual_seed(vocab))
+    temperature, top_k, top_p, min_p, seeds = params = _mixed_params()
+    whole = sample_triton(logits, *params, chunk_size=vocab)
+    assert logits[temperature == 0].argmax(-1).tolist() == whole[temperature == 0].tolist()
+    assert len(set(whole[temperature != 0].tolist())) > 4  # sampled rows do not all collapse to the argmax
+    for chunk_size, block in chunkings:
+        chunked = sample_triton(logits, *params, True, 40, True, chunk_size=chunk_size, block=block)
+        assert chunked.tolist() == whole.tolist(), (chunk_size, block)
+
+
+@pytest.mark.parametrize("vocab,chunk_size,block", [(3000, None, None), (3000, 1024, None), (3000, 700, 128),
+                                                    (300, None, None), (300, 64, 16)])
+def test_sample_greedy_rows_are_argmax_with_ties(vocab: int, chunk_size: int | None, block: int | None) -> None:
+    logits = torch.randn(8, vocab, generator=torch.Generator().manual_seed(1))
+    logits[0] = torch.randint(-3, 4, (vocab,), generator=torch.Generator().manual_seed(2)).float()  # many ties
+    logits[1, [vocab - 1, vocab // 3, vocab // 2]] = 9.0  # the first of three maxima, spread over the chunks
+    boundary = 1024 if vocab > 1024 else 64
+    logits[2, [boundary, boundary - 1]] = 9.0  # tied across a chunk (or a block) boundary
+    logits[3] = 0.5  # all equal: token 0
+    logits[4] = float("-inf")  # torch.argmax says 0
+    logits[5, vocab - 1] = 9.0  # the last token
+    logits[6] = -logits[6].abs() - 1  # sampled at T = 1e-39: every x/T is -inf, so the race falls back to argmax
+    temperature, top_k, top_p, min_p = _params(8)
+    temperature[:6], temperature[6] = 0.0, 1e-39  # row 7 is sampled beside the greedy ones
+    for dtype in (torch.float32, torch.float16):
+        x = logits.to(dtype)
+        expected = x.argmax(-1)
+        out = sample_triton(x, temperature, top_k, top_p, min_p, torch.arange(8), chunk_size=chunk_size, block=block)
+        assert out[:7].tolist() == expected[:7].tolist(), dtype
+        greedy = sample_triton(x, torch.zeros(8), top_k, top_p, min_p, torch.arange(8), False, 0, False,
+                               chunk_size=chunk_size, block=block)
+        assert greedy.tolist() == expected.tolist(), dtype
+
+
+def test_sample_min_p_rows_beside_others() -> None:
+    rows, vocab = 24, 3000
+    logits = 2 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3))
+    # min_p 0.3 at T = 1 keeps the few tokens within log(0.3) of the max: without it most of the mass is below
+    min_p = torch.tensor([0.0, 0.3, 0.05, 1.5, 0.2, 0.0] * 4)
+    temperature = torch.tensor([1.0, 1.0, 0.7, 1.0, 0.0, 1.3] * 4)
+    top_k = torch.tensor([0, 0, 20, 0, 0, 0] * 4)
+    top_p, seeds = torch.ones(rows), torch.arange(rows) + 100
+    hinted = sample_triton(logits, temperature, top_k, top_p, min_p, seeds, False, 20, True, chunk_size=1000)
+    assert sample_triton(logits, temperature, top_k, top_p, min_p, seeds, chunk_size=1000).tolist() == hinted.tolist()
+    assert sample_triton(logits, temperature, top_k, top_p, min_p, seeds, False, 20, chunk_size=1000).tolist() == (
+        hinted.tolist()
+    )
+    assert sample_triton(logits, temperature, top_k, top_p, min_p, seeds, chunk_size=vocab).tolist() == hinted.tolist()
+    chosen = logits.gather(1, hinted[:, None]).squeeze(1)
+    row_max = logits.max(-1).values
+    with_min_p = min_p > 0
+    # p_token >= min_p * p_max: x >= x_max + T log(min_p), and only the argmax above min_p = 1
+    threshold = row_max + temperature.clamp(min=1e-6) * min_p.clamp(max=1).log()
+    assert (chosen[with_min_p] >= threshold[with_min_p] - 1e-5).all()
+    assert hinted[min_p > 1].tolist() == logits[min_p > 1].argmax(-1).tolist()
+    assert hinted[temperature == 0].tolist() == logits[temperature == 0].argmax(-1).tolist()
+    assert (chosen[min_p == 0.3] < row_max[min_p == 0.3]).any()  # min_p = 0.3 rows do not all take the argmax
+    # the rows without min-p draw the same tokens from the one-pass kernel (use_min_p=False), without the others
+    plain = ~with_min_p
+    alone = sample_triton(logits[plain], temperature[plain], top_k[plain], top_p[plain], min_p[plain], seeds[plain],
+                          False, 20, False, chunk_size=1000)
+    assert alone.tolist() == hinted[plain].tolist()
+
+
+_SYNCING = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+def test_sample_with_hints_reads_nothing_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine launches the next step before it reads this one's tokens: given the hints, the wrapper must
+    not read a tensor back to the host (the interpreter itself does, on the CPU; only sampling.py is counted)."""
+    reads: list[str] = []
+    for name in _SYNCING:
+        original = getattr(torch.Tensor, name)
+
+        def spy(self: torch.Tensor, *args, _name: str = name, _original=original, **kwargs):
+            import sys
+
+            if sys._getframe(1).f_code.co_filename.endswith("sampling.py"):
+                reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    logits = torch.randn(3, 2000)
+    temperature, top_k, top_p, min_p = _params(3, temperature=0.8, top_k=10, top_p=0.9, min_p=0.05)
+    seeds = torch.arange(3)
+    sample_triton(logits, temperature, top_k, top_p, min_p, seeds, True, 10, True, chunk_size=512)
+    sample_triton(logits, temperature, top_k, top_p, min_p, seeds, True, 10, chunk_size=512)  # use_min_p unknown
+    assert reads == []
+    sample_triton(logits, temperature, top_k, top_p, min_p, seeds, chunk_size=512)
+    assert reads == ["tolist"]  # without the hints: the one sync, which the spy does see

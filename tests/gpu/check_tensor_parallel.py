@@ -2,7 +2,7 @@
 two ranks share GPU 0 and talk gloo (TINYVLLM_TP_ONE_GPU=1), so the shards, the Triton kernels on them, the
 broadcast of each step's device buffer and async scheduling all run on the GPU; only NCCL does not. Greedy
 output with tensor_parallel_size=2 must equal size 1 in float32 (bf16 is reported). Exits non-zero on a
-failure."""
+failure. Arguments: the dtypes to run (default float32 and bfloat16)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def main() -> int:
 
     path = random_llama_1b()
     failed = 0
-    for dtype in ("float32", "bfloat16"):
+    for dtype in sys.argv[1:] or ("float32", "bfloat16"):
         one, _ = generate(path, dtype, 1, False)
         for async_scheduling in (False, True):
             two, seconds = generate(path, dtype, 2, async_scheduling)

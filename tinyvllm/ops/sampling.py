@@ -1,5 +1,7 @@
 """Token sampling from final logits: greedy, temperature, top-k, top-p, min-p, per-row seeds."""
 
+import functools
+
 import torch
 
 try:
@@ -18,6 +20,7 @@ def sample_ref(
     seeds: torch.Tensor,
     use_top_p: bool | None = None,
     max_top_k: int | None = None,
+    use_min_p: bool | None = None,
 ) -> torch.Tensor:
     """logits [B, V] float32 and per-row parameters [B] -> token ids [B] int64.
 
@@ -25,8 +28,9 @@ def sample_ref(
     most likely tokens (top_k <= 0: all), to the smallest set whose mass reaches top_p, and to tokens
     with p >= min_p * p_max; then one token is drawn as argmax(p / E), E ~ Exp(1) (the exponential race
     is an exact draw from p). E comes from a generator seeded with seeds[row], so a row's draw depends
-    on its own seed only, whatever else is in the batch. use_top_p / max_top_k are hints for the kernel
-    (whether any sampled row has top_p < 1, and its largest active top_k), unused here."""
+    on its own seed only, whatever else is in the batch. use_top_p / max_top_k / use_min_p are hints for the
+    kernel (whether any sampled row has top_p < 1, its largest active top_k, whether any has min_p > 0),
+    unused here."""
     greedy = logits.argmax(dim=-1)
     if bool((temperature == 0).all()):
         return greedy
@@ -99,54 +103,148 @@ if triton is not None:
             cutoff = tl.where(top_k_off, float("-inf"), cutoff.to(tl.float32))
         tl.store(cutoff_ptr + rows, cutoff.to(tl.float32), mask=row_mask)
 
-    # ROWS rows per program (1 at real vocabulary sizes), two passes over the vocabulary:
-    #   pass 1: x_max and its first index (the answer of a greedy row, temperature 0)
-    #   pass 2: keep x_i >= cutoff and x_i >= x_max + T*log(min_p) (p_i >= min_p * p_max); then
-    #           token = argmax_i x_i/T - log(E_i) over kept i, E_i = -log(U_i), U_i = rand(seed, i):
-    #           the exponential race argmax p_i / E_i, an exact draw from the kept tempered softmax.
-    @triton.jit(do_not_specialize=["num_rows"])
-    def _sample_kernel(
-        out_ptr, logits_ptr, cutoff_ptr, temperature_ptr, min_p_ptr, seeds_ptr,
-        num_rows, vocab, stride_logits, HAS_CUTOFF: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    @triton.jit
+    def _fold_max(x, start, best, best_index):
+        """Fold a block [ROWS, BLOCK] whose first column is token `start` into a running (max, first index of
+        the max) per row: tl.max keeps the first index within the block, strict > the earlier block."""
+        block_best, block_index = tl.max(x, axis=1, return_indices=True)
+        best_index = tl.where(block_best > best, start + block_index, best_index)
+        return tl.maximum(best, block_best), best_index
+
+    @triton.jit
+    def _race_scores(x, cols, keep, seeds, temperature):
+        """s_i = x_i/T - log(E_i) for kept tokens, -inf elsewhere; E_i = -log(U_i), U_i = tl.rand keyed by the
+        row's own seed with counter = token id (Philox is elementwise: the same numbers for a row whatever the
+        chunking, the block or ROWS)."""
+        noise = tl.log(-tl.log(tl.rand(seeds[:, None], cols)))
+        return tl.where(keep, x / temperature[:, None] - noise, float("-inf"))
+
+    # Grid (row groups, chunks): ROWS rows (1 unless the whole vocabulary is one chunk) x the tokens
+    # [chunk * chunk_size, (chunk + 1) * chunk_size) of each, in one pass:
+    #   x_max and its first index over the chunk (a greedy row's answer is the first of the row's max);
+    #   for a sampled row (unless DEFER_MIN_P and min_p > 0: _min_p_race_kernel races it), keep x_i >= cutoff
+    #   and the best race score s_i = x_i/T - log(E_i) with its first index. argmax_i s_i over the row is the
+    #   exponential race argmax p_i / E_i, an exact draw from the kept tempered softmax.
+    # Partials: value[0 or 1, row, chunk] = (chunk max, best race score), index[...] their token ids.
+    @triton.jit(do_not_specialize=["num_rows", "chunk_size"])
+    def _sample_chunk_kernel(
+        value_ptr, index_ptr, logits_ptr, cutoff_ptr, temperature_ptr, min_p_ptr, seeds_ptr,
+        num_rows, vocab, stride_logits, chunk_size,
+        HAS_CUTOFF: tl.constexpr, DEFER_MIN_P: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     ):
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         row_mask = rows < num_rows
+        chunk, num_chunks = tl.program_id(1), tl.num_programs(1)
+        chunk_start = chunk * chunk_size
+        chunk_end = tl.minimum(chunk_start + chunk_size, vocab)
         base = logits_ptr + rows.to(tl.int64)[:, None] * stride_logits
-        best = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-        best_index = tl.zeros([ROWS], dtype=tl.int32)
-        for start in range(0, vocab, BLOCK):
-            cols = start + tl.arange(0, BLOCK)[None, :]
-            x = tl.load(base + cols, mask=row_mask[:, None] & (cols < vocab), other=float("-inf"))
-            x = x.to(tl.float32)
-            block_best = tl.max(x, axis=1)
-            block_index = start + tl.argmax(x, axis=1)
-            best_index = tl.where(block_best > best, block_index, best_index)
-            best = tl.maximum(best, block_best)
         temperature = tl.load(temperature_ptr + rows, mask=row_mask, other=0.0)
-        sampled = temperature != 0
-        if tl.sum(sampled.to(tl.int32), axis=0) > 0:
+        race = temperature != 0
+        if DEFER_MIN_P:
+            race = race & ~(tl.load(min_p_ptr + rows, mask=row_mask, other=0.0) > 0)
+        best = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        best_index = tl.zeros([ROWS], dtype=tl.int32) + chunk_start
+        race_best = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        race_index = best_index
+        if tl.sum(race.to(tl.int32), axis=0) > 0:
             temperature = tl.where(temperature > 0, temperature, 1.0)  # as sample_ref: T < 0 samples at T = 1
-            threshold = best + temperature * tl.log(tl.load(min_p_ptr + rows, mask=row_mask, other=0.0))
+            threshold = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+            if HAS_CUTOFF:  # a logit of the row, so never above its max: the most likely token survives
+                threshold = tl.load(cutoff_ptr + rows, mask=row_mask, other=0.0)
+            seeds = tl.load(seeds_ptr + rows, mask=row_mask, other=0)
+            for start in range(chunk_start, chunk_end, BLOCK):
+                cols = start + tl.arange(0, BLOCK)[None, :]
+                in_chunk = cols < chunk_end
+                x = tl.load(base + cols, mask=row_mask[:, None] & in_chunk, other=float("-inf")).to(tl.float32)
+                best, best_index = _fold_max(x, start, best, best_index)
+                score = _race_scores(x, cols, in_chunk & (x >= threshold[:, None]), seeds, temperature)
+                race_best, race_index = _fold_max(score, start, race_best, race_index)
+            race_best = tl.where(race, race_best, float("-inf"))
+        else:  # greedy rows only (or all deferred to the min-p pass): the max alone
+            for start in range(chunk_start, chunk_end, BLOCK):
+                cols = start + tl.arange(0, BLOCK)[None, :]
+                x = tl.load(base + cols, mask=row_mask[:, None] & (cols < chunk_end), other=float("-inf"))
+                best, best_index = _fold_max(x.to(tl.float32), start, best, best_index)
+        part = rows * num_chunks + chunk
+        races = num_rows * num_chunks
+        tl.store(value_ptr + part, best, mask=row_mask)
+        tl.store(index_ptr + part, best_index, mask=row_mask)
+        tl.store(value_ptr + races + part, race_best, mask=row_mask)
+        tl.store(index_ptr + races + part, race_index, mask=row_mask)
+
+    # The min-p pass, for the sampled rows with min_p > 0 that _sample_chunk_kernel left out: keep
+    # x_i >= max(cutoff, x_max + T*log(min_p)) (p_i >= min_p * p_max; capped at x_max so the most likely token
+    # survives), x_max the largest of the chunk maxima stored by the chunk kernel; then the same race over the
+    # chunk, its winner stored in place of the chunk kernel's. Other rows return at once.
+    @triton.jit(do_not_specialize=["num_rows", "chunk_size"])
+    def _min_p_race_kernel(
+        value_ptr, index_ptr, logits_ptr, cutoff_ptr, temperature_ptr, min_p_ptr, seeds_ptr,
+        num_rows, vocab, stride_logits, chunk_size,
+        HAS_CUTOFF: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        row_mask = rows < num_rows
+        chunk, num_chunks = tl.program_id(1), tl.num_programs(1)
+        temperature = tl.load(temperature_ptr + rows, mask=row_mask, other=0.0)
+        min_p = tl.load(min_p_ptr + rows, mask=row_mask, other=0.0)
+        race = row_mask & (temperature != 0) & (min_p > 0)
+        if tl.sum(race.to(tl.int32), axis=0) > 0:
+            chunk_start = chunk * chunk_size
+            chunk_end = tl.minimum(chunk_start + chunk_size, vocab)
+            base = logits_ptr + rows.to(tl.int64)[:, None] * stride_logits
+            chunks = tl.arange(0, CHUNKS)[None, :]
+            maxima = tl.load(value_ptr + rows[:, None] * num_chunks + chunks,
+                             mask=row_mask[:, None] & (chunks < num_chunks), other=float("-inf"))
+            best = tl.max(maxima, axis=1)
+            temperature = tl.where(temperature > 0, temperature, 1.0)
+            threshold = best + temperature * tl.log(min_p)
             if HAS_CUTOFF:
                 threshold = tl.maximum(threshold, tl.load(cutoff_ptr + rows, mask=row_mask, other=0.0))
-            threshold = tl.minimum(threshold, best)  # the most likely token always survives
+            threshold = tl.minimum(threshold, best)
             seeds = tl.load(seeds_ptr + rows, mask=row_mask, other=0)
             race_best = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-            race_index = best_index
-            for start in range(0, vocab, BLOCK):
+            race_index = tl.zeros([ROWS], dtype=tl.int32) + chunk_start
+            for start in range(chunk_start, chunk_end, BLOCK):
                 cols = start + tl.arange(0, BLOCK)[None, :]
-                x = tl.load(base + cols, mask=row_mask[:, None] & (cols < vocab), other=float("-inf"))
-                # tl.rand keyed by each row's own seed (Philox: elementwise, so the same numbers for a row
-                # whatever ROWS is), counter = token id.
-                noise = tl.log(-tl.log(tl.rand(seeds[:, None], cols)))
-                keep = (cols < vocab) & (x >= threshold[:, None])
-                score = tl.where(keep, x.to(tl.float32) / temperature[:, None] - noise, float("-inf"))
-                block_best = tl.max(score, axis=1)
-                block_index = start + tl.argmax(score, axis=1)
-                race_index = tl.where(block_best > race_best, block_index, race_index)
-                race_best = tl.maximum(race_best, block_best)
-            best_index = tl.where(sampled, race_index, best_index)
-        tl.store(out_ptr + rows, best_index.to(tl.int64), mask=row_mask)
+                in_chunk = cols < chunk_end
+                x = tl.load(base + cols, mask=row_mask[:, None] & in_chunk, other=float("-inf")).to(tl.float32)
+                score = _race_scores(x, cols, in_chunk & (x >= threshold[:, None]), seeds, temperature)
+                race_best, race_index = _fold_max(score, start, race_best, race_index)
+            part = num_rows * num_chunks + rows * num_chunks + chunk
+            tl.store(value_ptr + part, race_best, mask=race)
+            tl.store(index_ptr + part, race_index, mask=race)
+
+    # ROWS rows per program, each from its chunks' partials: the chunks in token order and ties to the lowest
+    # chunk, so that ties go to the lowest token index as in one sequential scan with strict >. A greedy row
+    # takes the first index of the largest chunk max (torch.argmax's answer), a sampled row the race winner
+    # (the greedy answer where no token got a finite score, as the sequential kernel did).
+    @triton.jit(do_not_specialize=["num_rows", "num_chunks"])
+    def _sample_reduce_kernel(
+        out_ptr, value_ptr, index_ptr, temperature_ptr, num_rows, num_chunks,
+        ROWS: tl.constexpr, CHUNKS: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        row_mask = rows < num_rows
+        chunks = tl.arange(0, CHUNKS)[None, :]
+        part = rows[:, None] * num_chunks + chunks
+        mask = row_mask[:, None] & (chunks < num_chunks)
+        races = num_rows * num_chunks
+        maxima = tl.load(value_ptr + part, mask=mask, other=float("-inf"))
+        _, best_chunk = tl.max(maxima, axis=1, return_indices=True)
+        greedy = tl.load(index_ptr + rows * num_chunks + best_chunk, mask=row_mask, other=0)
+        scores = tl.load(value_ptr + races + part, mask=mask, other=float("-inf"))
+        race_best, race_chunk = tl.max(scores, axis=1, return_indices=True)
+        sampled = tl.load(index_ptr + races + rows * num_chunks + race_chunk, mask=row_mask, other=0)
+        temperature = tl.load(temperature_ptr + rows, mask=row_mask, other=0.0)
+        token = tl.where((temperature != 0) & (race_best > float("-inf")), sampled, greedy)
+        tl.store(out_ptr + rows, token.to(tl.int64), mask=row_mask)
+
+
+# Tokens per program of the chunk kernels: at least MIN (a batch of 1 spreads 128k tokens over ~63 SMs), at most
+# MAX (a large batch keeps few partials per row), else about PROGRAMS_PER_SM programs per SM.
+_MIN_CHUNK, _MAX_CHUNK, _PROGRAMS_PER_SM = 2048, 16384, 4
+_MAX_BLOCK = 2048  # tokens per loop step: 8 per thread at 8 warps
+_CPU_SMS = 132  # under the interpreter: an H100/H200's count, so that tests pick the chunks a GPU would
 
 
 def sample_triton(
@@ -158,12 +256,19 @@ def sample_triton(
     seeds: torch.Tensor,
     use_top_p: bool | None = None,
     max_top_k: int | None = None,
+    use_min_p: bool | None = None,
+    *,
+    chunk_size: int | None = None,
+    block: int | None = None,
 ) -> torch.Tensor:
     """The Triton kernels of sample_ref (same truncation, its own counter-based RNG: Philox keyed by the
-    row's seed and the token id, so a row's draw depends on its logits, parameters and seed only).
-    torch.sort (top-p) or torch.topk (top-k only) orders the logits. Which is needed comes from the hints
-    use_top_p and max_top_k when the caller gives them (the engine knows them from the requests); otherwise
-    one host sync reads it from the tensors."""
+    row's seed and the token id, so a row's draw depends on its logits, parameters and seed only, not on
+    the batch nor on how the vocabulary is split between programs). torch.sort (top-p) or torch.topk
+    (top-k only) orders the logits. Which is needed comes from the hints use_top_p and max_top_k when the
+    caller gives them (the engine knows them from the requests); otherwise one host sync reads them, and
+    use_min_p with them. Given those two, use_min_p=None costs no sync: the min-p pass runs, and returns at
+    once where no row has min_p > 0. chunk_size (tokens per program) and block (tokens per loop step, a
+    power of two) override the heuristics, for tests and benchmarks."""
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     num_rows, vocab = logits.shape
@@ -175,27 +280,67 @@ def sample_triton(
     if use_top_p is None or max_top_k is None:
         sampled = temperature != 0
         k_active = sampled & (top_k > 0) & (top_k < vocab)
-        flags = torch.stack([(sampled & (top_p < 1)).any().long(), torch.where(k_active, top_k, 0).max().long()])
-        use_top_p, max_top_k = (int(f) for f in flags.tolist())
-    cutoff = temperature  # unused unless HAS_CUTOFF
-    if use_top_p or max_top_k > 0:
+        flags = torch.stack([(sampled & (top_p < 1)).any().long(), torch.where(k_active, top_k, 0).max().long(),
+                             (sampled & (min_p > 0)).any().long()])
+        found_top_p, found_top_k, found_min_p = (int(f) for f in flags.tolist())
+        use_top_p = bool(found_top_p) if use_top_p is None else use_top_p
+        max_top_k = found_top_k if max_top_k is None else max_top_k
+        use_min_p = bool(found_min_p) if use_min_p is None else use_min_p
+    cutoff = temperature  # unused unless has_cutoff
+    has_cutoff = bool(use_top_p) or max_top_k > 0
+    if has_cutoff:
         if use_top_p:
             ordered, width = logits.sort(dim=-1, descending=True).values, vocab
         else:
             ordered, width = logits.topk(max_top_k, dim=-1).values, max_top_k
         cutoff = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
         # top-k alone reads one logit per row: a fixed tile, so that no top_k value compiles a new kernel
-        block, rows = _tile(num_rows, width) if use_top_p else (16, 128)
+        cutoff_block, rows = _tile(num_rows, width) if use_top_p else (16, 128)
         _top_k_top_p_cutoff_kernel[(triton.cdiv(num_rows, rows),)](
             cutoff, ordered, temperature, top_k, top_p, num_rows, width, vocab, ordered.stride(0),
-            USE_TOP_P=bool(use_top_p), ROWS=rows, BLOCK=block, num_warps=8,
+            USE_TOP_P=bool(use_top_p), ROWS=rows, BLOCK=cutoff_block, num_warps=8,
         )
-    block, rows = _tile(num_rows, vocab)
-    _sample_kernel[(triton.cdiv(num_rows, rows),)](
-        out, logits, cutoff, temperature, min_p, seeds, num_rows, vocab, logits.stride(0),
-        HAS_CUTOFF=use_top_p or max_top_k > 0, ROWS=rows, BLOCK=block, num_warps=8,
+
+    chunk_size = min(chunk_size or _chunk_size(num_rows, vocab, logits.device), vocab)
+    num_chunks = triton.cdiv(vocab, chunk_size)
+    block = min(block or _MAX_BLOCK, triton.next_power_of_2(chunk_size))
+    # one chunk per row (small vocabularies): several rows per program, as in _tile
+    rows = min(triton.next_power_of_2(num_rows), max(1, _MAX_BLOCK // block)) if num_chunks == 1 else 1
+    num_warps = max(1, min(8, block // 256))
+    values = torch.empty((2, num_rows, num_chunks), dtype=torch.float32, device=logits.device)
+    indices = torch.empty((2, num_rows, num_chunks), dtype=torch.int32, device=logits.device)
+    grid = (triton.cdiv(num_rows, rows), num_chunks)
+    args = (values, indices, logits, cutoff, temperature, min_p, seeds, num_rows, vocab, logits.stride(0), chunk_size)
+    defer_min_p = use_min_p is not False
+    _sample_chunk_kernel[grid](
+        *args, HAS_CUTOFF=has_cutoff, DEFER_MIN_P=defer_min_p, ROWS=rows, BLOCK=block, num_warps=num_warps,
+    )
+    # CHUNKS (a constexpr) sized for the most chunks any batch size gets, not this one's: otherwise each batch
+    # size band would compile its own variant of the two kernels below, in the middle of a run.
+    chunks_pow2 = triton.next_power_of_2(max(num_chunks, triton.cdiv(vocab, _MIN_CHUNK)))
+    if defer_min_p:
+        _min_p_race_kernel[grid](
+            *args, HAS_CUTOFF=has_cutoff, ROWS=rows, BLOCK=block, CHUNKS=chunks_pow2, num_warps=num_warps,
+        )
+    reduce_rows = max(1, 1024 // chunks_pow2)
+    _sample_reduce_kernel[(triton.cdiv(num_rows, reduce_rows),)](
+        out, values, indices, temperature, num_rows, num_chunks, ROWS=reduce_rows, CHUNKS=chunks_pow2, num_warps=4,
     )
     return out
+
+
+def _chunk_size(num_rows: int, vocab: int, device: torch.device) -> int:
+    """Tokens per program: about _PROGRAMS_PER_SM programs per SM over the batch, a power of two within
+    [_MIN_CHUNK, _MAX_CHUNK]."""
+    target = triton.cdiv(num_rows * vocab, _PROGRAMS_PER_SM * _num_sms(device))
+    return min(max(triton.next_power_of_2(target), _MIN_CHUNK), _MAX_CHUNK)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _CPU_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _tile(num_rows: int, width: int) -> tuple[int, int]:

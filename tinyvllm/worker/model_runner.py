@@ -301,7 +301,8 @@ class ModelRunner:
         sampling = SamplingTensors(
             temperature_t, top_k_t, top_p_t, min_p_t, seeds_t, all_greedy=bool(sampled_greedy.all()),
             use_top_p=bool(((self._top_p[sample_rows] < 1) & ~sampled_greedy).any()),
-            max_top_k=int(top_k[active_k].max()) if active_k.any() else 0)
+            max_top_k=int(top_k[active_k].max()) if active_k.any() else 0,
+            use_min_p=bool(((self._min_p[sample_rows] > 0) & ~sampled_greedy).any()))
         return ModelInput(ids_t, positions_t, meta, logits_t, sampled_seqs, sampling)
 
     @torch.inference_mode()

@@ -51,6 +51,7 @@ class SamplingTensors:
     all_greedy: bool
     use_top_p: bool  # some sampled row has top_p < 1
     max_top_k: int  # the largest active top_k of a sampled row, 0 for none
+    use_min_p: bool  # some sampled row has min_p > 0
 
 
 @dataclass
@@ -114,7 +115,8 @@ class Sampler:
             token_ids = logits.argmax(dim=-1)
         else:
             token_ids = ops.sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
-                                   sampling.seeds, use_top_p=sampling.use_top_p, max_top_k=sampling.max_top_k)
+                                   sampling.seeds, use_top_p=sampling.use_top_p, max_top_k=sampling.max_top_k,
+                                   use_min_p=sampling.use_min_p)
         return AsyncSamplerOutput(seqs, token_ids, *self._to_host(token_ids), raw_logprobs)
 
     def _to_host(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
