@@ -80,7 +80,8 @@ class Staging:
         for offset, code, shape in layout:
             dtype = TORCH_DTYPES[code]
             nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            views.append(buffer[offset:offset + nbytes].view(dtype).view(shape))
+            view = buffer[offset:offset + nbytes].view(dtype)
+            views.append(view if len(shape) == 1 else view.view(shape))
         return views
 
 
@@ -278,31 +279,38 @@ class ModelRunner:
         sampled_seqs = [seqs[i] for i in sampled]
         sampled_np = np.array(sampled, dtype=np.int64)
         sample_rows = rows[sampled_np]
-        steps = np.fromiter((s.num_output_tokens for s in sampled_seqs), dtype=np.int64, count=len(sampled))
         temperature = self._temperature[sample_rows]
-        top_k = self._top_k[sample_rows]
-        active_k = (temperature != 0) & (top_k > 0) & (top_k < self.model_config.vocab_size)
+        greedy = temperature == 0
+        all_greedy = bool(greedy.all())
+        # The model's arrays first (the other ranks take those), then, only when the step needs them (each
+        # costs host time on a slow CPU), the pending tokens' places and the sampling parameters.
         arrays = [np.array(input_ids, dtype=np.int64), positions, slots, cu[1:][sampled_np] - 1,
-                  cu.astype(np.int32), ends.astype(np.int32), tables,
-                  np.array(pending_dst, dtype=np.int64), np.array(pending_src, dtype=np.int64),
-                  temperature, top_k, self._top_p[sample_rows], self._min_p[sample_rows],
-                  step_seeds(self._seeds[sample_rows], steps)]
-        buffer, layout = self._staging.upload(arrays)
-        (ids_t, positions_t, slots_t, logits_t, cu_t, context_t, tables_t, dst_t, src_t,
-         temperature_t, top_k_t, top_p_t, min_p_t, seeds_t) = Staging.views(buffer, layout)
+                  cu.astype(np.int32), ends.astype(np.int32), tables]
         if pending_dst:
+            arrays += [np.array(pending_dst, dtype=np.int64), np.array(pending_src, dtype=np.int64)]
+        if not all_greedy:
+            steps = np.fromiter((s.num_output_tokens for s in sampled_seqs), dtype=np.int64, count=len(sampled))
+            top_k = self._top_k[sample_rows]
+            top_p, min_p = self._top_p[sample_rows], self._min_p[sample_rows]
+            arrays += [temperature, top_k, top_p, min_p, step_seeds(self._seeds[sample_rows], steps)]
+        buffer, layout = self._staging.upload(arrays)
+        views = Staging.views(buffer, layout)
+        ids_t, positions_t, slots_t, logits_t, cu_t, context_t, tables_t = views[:7]
+        if pending_dst:
+            dst_t, src_t = views[7:9]
             ids_t[dst_t] = prev.token_ids[src_t]
         max_query_len, max_context_len = int(num_new.max()), int(ends.max())
         if self.tp.size > 1:
             self._broadcast_step(buffer, layout, max_query_len, max_context_len)
         meta = AttentionMetadata(cu_query_lens=cu_t, context_lens=context_t, block_tables=tables_t,
                                  slot_mapping=slots_t, max_query_len=max_query_len, max_context_len=max_context_len)
-        sampled_greedy = temperature == 0
-        sampling = SamplingTensors(
-            temperature_t, top_k_t, top_p_t, min_p_t, seeds_t, all_greedy=bool(sampled_greedy.all()),
-            use_top_p=bool(((self._top_p[sample_rows] < 1) & ~sampled_greedy).any()),
-            max_top_k=int(top_k[active_k].max()) if active_k.any() else 0,
-            use_min_p=bool(((self._min_p[sample_rows] > 0) & ~sampled_greedy).any()))
+        if all_greedy:
+            sampling = SamplingTensors(None, None, None, None, None, True, False, 0, False)
+        else:
+            active_k = ~greedy & (top_k > 0) & (top_k < self.model_config.vocab_size)
+            sampling = SamplingTensors(*views[-5:], all_greedy=False, use_top_p=bool(((top_p < 1) & ~greedy).any()),
+                                       max_top_k=int(top_k[active_k].max()) if active_k.any() else 0,
+                                       use_min_p=bool(((min_p > 0) & ~greedy).any()))
         return ModelInput(ids_t, positions_t, meta, logits_t, sampled_seqs, sampling)
 
     @torch.inference_mode()
