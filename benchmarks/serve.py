@@ -66,22 +66,6 @@ def start_server(path: str, port: int, engine_args: list[str], log: Any) -> subp
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def wait_healthy(process: subprocess.Popen, url: str, timeout: float) -> None:
-    import httpx
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode} before it was healthy")
-        try:
-            if httpx.get(f"{url}/health", timeout=5, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the server was not healthy within {timeout:.0f} s")
-
-
 def bench(url: str, concurrency: int, num_prompts: int, input_len: int, output_len: int, vocab_size: int,
           seed: int, duration_limit: float) -> dict[str, Any]:
     """One `tinyvllm bench serve` run, in this process."""
@@ -203,6 +187,8 @@ def main() -> int:
         start = time.perf_counter()
         process = start_server(path, port, engine_args, log)
         try:
+            from tinyvllm.bench_serve import wait_healthy
+
             wait_healthy(process, url, timeout=600)
             result["server_ready_s"] = time.perf_counter() - start
             print(f"server healthy after {result['server_ready_s']:.1f} s (imports, model load, KV cache sizing "

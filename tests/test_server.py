@@ -127,17 +127,12 @@ def offline(server):
 
 
 def _wait_healthy(server: Server, timeout: float = 240.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if server.process.poll() is not None:
-            pytest.fail(f"the server exited with {server.process.returncode}:\n{server.log()}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=5, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"the server was not healthy within {timeout:.0f} s:\n{server.log()}")
+    from tinyvllm.bench_serve import wait_healthy
+
+    try:
+        wait_healthy(server.process, server.url, timeout)
+    except RuntimeError as e:
+        pytest.fail(f"{e}:\n{server.log()}")
 
 
 @pytest.fixture(scope="module")

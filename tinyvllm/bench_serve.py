@@ -36,6 +36,24 @@ WORDS = (
 ).split()
 
 
+def wait_healthy(process: Any, url: str, timeout: float) -> None:
+    """Poll `url`/health until the server `process` (a subprocess.Popen) answers 200; RuntimeError if it
+    exits first or the timeout passes."""
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode} before it was healthy")
+        try:
+            if httpx.get(f"{url}/health", timeout=5, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server was not healthy within {timeout:.0f} s")
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default: loopback)")
     parser.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
