@@ -4,6 +4,7 @@ forward pass, and samples the next token of every sequence that reached the end 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,7 +80,7 @@ class Staging:
         views = []
         for offset, code, shape in layout:
             dtype = TORCH_DTYPES[code]
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            nbytes = math.prod(shape) * dtype.itemsize  # (not np.prod: this runs 14 times a step)
             view = buffer[offset:offset + nbytes].view(dtype)
             views.append(view if len(shape) == 1 else view.view(shape))
         return views
