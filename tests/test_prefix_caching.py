@@ -63,6 +63,27 @@ def test_hits_are_counted_and_only_uncached_tokens_are_prefilled(checkpoint, pro
     assert after["prompt_tokens"] - before["prompt_tokens"] == len(second) - 64
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_follow_up_prompt_reuses_the_answer(checkpoint, prompts, async_scheduling):
+    """A second chat turn holds the first turn's prompt and answer: every full block of both that was
+    computed (the answer's last token never is) comes from the cache."""
+    llm = make(checkpoint, True, async_scheduling=async_scheduling)
+    engine = llm.llm_engine
+    first = prompts["shared"][0]
+    # An answer length whose last computed token completes a block: the step that finishes the request is
+    # the one that fills it, so only caching at that step finds it.
+    length = (1 - len(first)) % 16 + 16
+    answer = llm.generate([first], SamplingParams(temperature=0, max_tokens=length, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    before = engine.get_stats()["prefix_cache_hits"]
+    follow_up = first + answer + [5, 6, 7]
+    out = llm.generate([follow_up], GREEDY, use_tqdm=False)[0]
+    expected = len(first) + len(answer) - 1
+    assert expected % 16 == 0
+    assert engine.get_stats()["prefix_cache_hits"] - before == expected == out.num_cached_tokens
+    engine.block_manager.check_whole()
+
+
 def test_fully_cached_prompt_recomputes_its_last_token(checkpoint, prompts):
     llm = make(checkpoint, True)
     prompt = prompts["exact_blocks"][0]

@@ -165,10 +165,11 @@ class Scheduler:
             seq.num_computed_tokens += num_new
 
     def update(self, out: SchedulerOutput) -> None:
-        """Once the step's tokens are read back: cache the full blocks of its sequences, and free the
-        sequences that finished (a preempted one may finish while it waits, by its pending token)."""
+        """Once the step's tokens are read back: cache the full blocks of its sequences (those that just
+        finished too, so that a follow-up prompt holding their output finds it), and free the sequences
+        that finished (a preempted one may finish while it waits, by its pending token)."""
         for seq in out.seqs:
-            if not seq.is_finished and seq.block_table:
+            if seq.block_table:
                 self.block_manager.cache_computed_blocks(seq)
         if any(s.is_finished for s in self.running):
             finished = [s for s in self.running if s.is_finished]
