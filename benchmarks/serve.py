@@ -18,6 +18,9 @@ Peer: vLLM is not installed on the device and cannot be fetched there, so no oth
 nearest peer is this engine's own offline throughput: LLM.generate on the prompts of the highest level, in
 this process once the server has stopped. Serve over offline output tok/s is what the HTTP layer costs.
 
+One client process parsing every streamed event saturated at concurrency 64 on the H200's host (2026-12-03);
+--num-clients N splits each level over N processes, to find the server's own ceiling.
+
     python benchmarks/serve.py [--json FILE]     (H200: about 3 minutes with the model build and start-up)
     python benchmarks/serve.py --small           (CPU: a tiny random Llama, 2 levels, about a minute)
 
@@ -67,15 +70,16 @@ def start_server(path: str, port: int, engine_args: list[str], log: Any) -> subp
 
 
 def bench(url: str, concurrency: int, num_prompts: int, input_len: int, output_len: int, vocab_size: int,
-          seed: int, duration_limit: float) -> dict[str, Any]:
-    """One `tinyvllm bench serve` run, in this process."""
+          seed: int, duration_limit: float, num_clients: int = 1) -> dict[str, Any]:
+    """One `tinyvllm bench serve` run, from this process (and num_clients - 1 more, if asked)."""
     from tinyvllm.bench_serve import add_cli_args, run_benchmark
 
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
     args = parser.parse_args(["--base-url", url, "--num-prompts", str(num_prompts), "--concurrency", str(concurrency),
                               "--input-len", str(input_len), "--max-tokens", str(output_len), "--vocab-size",
-                              str(vocab_size), "--seed", str(seed), "--duration-limit", str(duration_limit)])
+                              str(vocab_size), "--seed", str(seed), "--duration-limit", str(duration_limit),
+                              "--num-clients", str(min(num_clients, concurrency))])
     summary = asyncio.run(run_benchmark(args))
     requests = summary.pop("requests")  # (per-request lists: too long to keep)
     summary["streamed_chunks"] = sum(len(r["itl"]) + 1 for r in requests if r["ok"])
@@ -84,15 +88,20 @@ def bench(url: str, concurrency: int, num_prompts: int, input_len: int, output_l
 
 def run_level(url: str, server_pid: int, concurrency: int, num_prompts: int, args: argparse.Namespace,
               vocab_size: int, seed: int) -> dict[str, Any]:
+    clients = min(args.num_clients, concurrency)
     bench(url, concurrency, concurrency, args.input_len, min(args.output_len, 16), vocab_size, seed + 1,
-          args.duration_limit)  # warm-up, on prompts of its own
+          args.duration_limit, clients)  # warm-up, on prompts of its own
     wall, client, server = time.perf_counter(), time.process_time(), cpu_seconds(server_pid)
     summary = bench(url, concurrency, num_prompts, args.input_len, args.output_len, vocab_size, seed,
-                    args.duration_limit)
+                    args.duration_limit, clients)
     wall = time.perf_counter() - wall
     server_end = cpu_seconds(server_pid)
-    summary["client_cpu_per_wall"] = (time.process_time() - client) / wall
-    summary["server_cpu_per_wall"] = None if server is None or server_end is None else (server_end - server) / wall
+    # With several client processes the wall time holds their start-up (imports), so neither share says
+    # how busy a client or the server was while requests ran: not reported.
+    several = clients > 1
+    summary["client_cpu_per_wall"] = None if several else (time.process_time() - client) / wall
+    summary["server_cpu_per_wall"] = (None if several or server is None or server_end is None
+                                      else (server_end - server) / wall)
     return summary
 
 
@@ -126,7 +135,7 @@ def offline(path: str, prompts: list[list[int]], warm_prompts: list[list[int]], 
 
 def table(levels: list[dict[str, Any]]) -> str:
     def cpu(value: float | None) -> str:
-        return "?" if value is None else f"{value:.0%}"
+        return "-" if value is None else f"{value:.0%}"
 
     lines = ["| concurrency | requests | req/s | output tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | ITL p50 "
              "| ITL p99 | client CPU | server CPU |", "| --- " * 12 + "|"]
@@ -157,6 +166,9 @@ def main() -> int:
     parser.add_argument("--duration-limit", type=float, default=300.0, help="seconds per bench serve run")
     parser.add_argument("--no-offline", action="store_true", help="skip the offline LLM.generate peer")
     parser.add_argument("--server-log", default=None, help="the server's output (default: a file under /tmp)")
+    parser.add_argument("--num-clients", type=int, default=1,
+                        help="client processes per level (at most its concurrency): one Python client can be "
+                             "slower than the server it measures")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     small = {"concurrency": "1,4", "input_len": 16, "output_len": 8, "min_requests": 4, "device": "cpu"}
@@ -210,7 +222,7 @@ def main() -> int:
     if result["levels"]:
         print(table(result["levels"]))
         print("(ms; TPOT: per request, (end - first token) / (tokens - 1); ITL: between streamed chunks; CPU: "
-              "the process's CPU time over the level's wall time)")
+              "the process's CPU time over the level's wall time; '-' with --num-clients > 1)")
     print(f"server stopped with SIGINT: exit code {exit_code}" + ("" if exit_code == 0 else " (expected 0)"))
     failed |= exit_code != 0
     if exit_code != 0 or not result["levels"]:

@@ -418,12 +418,13 @@ def test_metrics_parse_and_move(live):
 
 
 # ---- the load generator ----------------------------------------------------------------------------------
-def test_bench_serve(live, tmp_path):
+@pytest.mark.parametrize("num_clients", [1, 2])
+def test_bench_serve(live, tmp_path, num_clients):
     out = tmp_path / "bench.json"
     result = subprocess.run(
         [sys.executable, "-m", "tinyvllm.cli", "bench", "serve", "--base-url", live.url, "--api-key", API_KEY,
          "--num-prompts", "4", "--concurrency", "2", "--max-tokens", "4", "--input-len", "8",
-         "--duration-limit", "120", "--json", str(out)],
+         "--duration-limit", "120", "--num-clients", str(num_clients), "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=_single_threaded_env())
     assert result.returncode == 0, result.stdout + result.stderr
     for label in ("Successful requests:", "Request throughput (req/s):", "Output token throughput (tok/s):",
@@ -433,6 +434,8 @@ def test_bench_serve(live, tmp_path):
     assert summary["completed"] == 4 and summary["failed"] == 0
     assert summary["total_output_tokens"] == 16 and summary["total_input_tokens"] == 32
     assert summary["ttft_ms"]["median"] > 0
+    starts = sorted(r["start"] for r in summary["requests"])
+    assert 0 <= starts[0] < 5 and summary["duration_s"] >= max(r["start"] + r["latency"] for r in summary["requests"])
 
 
 # ---- last: shutdown ---------------------------------------------------------------------------------------

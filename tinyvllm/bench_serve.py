@@ -76,6 +76,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-clients", type=int, default=1,
+                        help="client processes sharing the requests (and the concurrency): one Python process "
+                             "parsing every streamed event can be slower than the server it measures")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the results to FILE")
 
 
@@ -179,6 +182,10 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("num_prompts", "input_len", "max_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.num_clients < 1:
+        raise ValueError("--num-clients must be at least 1")
+    if args.num_clients > 1 and args.concurrency is not None and args.concurrency < args.num_clients:
+        raise ValueError("--concurrency must be at least --num-clients (each client keeps its share in flight)")
     for name in ("concurrency", "vocab_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
@@ -204,9 +211,35 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         payloads = [{**common, "messages": [{"role": "user", "content": p}]} if chat else {**common, "prompt": p}
                     for p in prompts]
 
-        semaphore = asyncio.Semaphore(args.concurrency) if args.concurrency else None
-        t0 = time.perf_counter()
-        deadline = t0 + args.duration_limit
+    if args.num_clients == 1:
+        results = await _drive(url, payloads, headers, chat, args.concurrency, args.request_rate, args.seed,
+                               args.duration_limit, time.perf_counter(), limits, timeout)
+    else:
+        results = await asyncio.to_thread(_drive_in_processes, args, url, payloads, headers, chat)
+    duration = max((r.start + r.latency for r in results), default=0.0)
+    summary = summarize(results, duration, args.num_prompts)
+    summary["config"] = {"base_url": base_url, "endpoint": args.endpoint, "model": model, "prompt_kind": kind,
+                         "vocab_size": args.vocab_size,
+                         "num_prompts": args.num_prompts, "concurrency": args.concurrency,
+                         "num_clients": args.num_clients,
+                         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+                         "input_len": args.input_len, "max_tokens": args.max_tokens,
+                         "duration_limit": args.duration_limit, "ignore_eos": not args.no_ignore_eos}
+    summary["requests"] = [asdict(r) for r in results]
+    return summary
+
+
+async def _drive(url: str, payloads: list[dict[str, Any]], headers: dict[str, str], chat: bool,
+                 concurrency: int | None, request_rate: float, seed: int, duration_limit: float, t0: float,
+                 limits: Any, timeout: Any) -> list[RequestResult]:
+    """Send `payloads` (at most `concurrency` in flight, Poisson arrivals at `request_rate`) until done or
+    `duration_limit` seconds after t0 (a time.perf_counter value); the requests not finished are cut off."""
+    import httpx
+
+    rng = random.Random(seed)
+    semaphore = asyncio.Semaphore(concurrency) if concurrency else None
+    deadline = t0 + duration_limit
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
 
         async def one(payload: dict[str, Any]) -> RequestResult:
             if semaphore is None:
@@ -219,24 +252,55 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             if time.perf_counter() >= deadline:
                 break
             tasks.append(asyncio.create_task(one(payload)))
-            if math.isfinite(args.request_rate):
-                await asyncio.sleep(min(rng.expovariate(args.request_rate), max(0.0, deadline - time.perf_counter())))
+            if math.isfinite(request_rate):
+                await asyncio.sleep(min(rng.expovariate(request_rate), max(0.0, deadline - time.perf_counter())))
         _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter())) if tasks else (
             set(), set())
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        duration = time.perf_counter() - t0
-    results = [t.result() for t in tasks if not t.cancelled()]
-    summary = summarize(results, duration, args.num_prompts)
-    summary["config"] = {"base_url": base_url, "endpoint": args.endpoint, "model": model, "prompt_kind": kind,
-                         "vocab_size": args.vocab_size,
-                         "num_prompts": args.num_prompts, "concurrency": args.concurrency,
-                         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
-                         "input_len": args.input_len, "max_tokens": args.max_tokens,
-                         "duration_limit": args.duration_limit, "ignore_eos": not args.no_ignore_eos}
-    summary["requests"] = [asdict(r) for r in results]
-    return summary
+    return [t.result() for t in tasks if not t.cancelled()]
+
+
+def _client_process(job: tuple, ready: Any, go: Any, t0: Any, results: Any) -> None:
+    """One process of --num-clients: once every client is up (`ready`) and rank 0 has set the common start
+    `t0` (`go`), its share of the requests."""
+    import httpx
+
+    index, url, payloads, headers, chat, concurrency, request_rate, seed, duration_limit = job
+    limits = httpx.Limits(max_connections=concurrency or len(payloads) or 1, max_keepalive_connections=None)
+    timeout = httpx.Timeout(duration_limit + 30.0, connect=10.0)
+    ready.wait()
+    go.wait()
+    time.sleep(max(0.0, t0.value - time.perf_counter()))
+    out = asyncio.run(_drive(url, payloads, headers, chat, concurrency, request_rate, seed, duration_limit,
+                             t0.value, limits, timeout))
+    results.put((index, [asdict(r) for r in out]))
+
+
+def _drive_in_processes(args: argparse.Namespace, url: str, payloads: list[dict[str, Any]],
+                        headers: dict[str, str], chat: bool) -> list[RequestResult]:
+    """The requests, the concurrency and the request rate split over args.num_clients processes that start
+    together. Their times share one origin: time.perf_counter is the system's monotonic clock on Linux."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    n = args.num_clients
+    ready, go, t0, queue = ctx.Barrier(n + 1), ctx.Barrier(n + 1), ctx.Value("d", 0.0), ctx.Queue()
+    concurrency = [None if args.concurrency is None else args.concurrency // n + (i < args.concurrency % n)
+                   for i in range(n)]
+    processes = [ctx.Process(target=_client_process, daemon=True, args=(
+        (i, url, payloads[i::n], headers, chat, concurrency[i], args.request_rate / n, args.seed + i,
+         args.duration_limit), ready, go, t0, queue)) for i in range(n)]
+    for process in processes:
+        process.start()
+    ready.wait(timeout=120)  # every client has started and imported what it needs
+    t0.value = time.perf_counter() + 0.1
+    go.wait(timeout=10)
+    shares = dict(queue.get(timeout=args.duration_limit + 120) for _ in range(n))
+    for process in processes:
+        process.join()
+    return [RequestResult(**r) for i in range(n) for r in shares[i]]
 
 
 def _stats(values: list[float]) -> dict[str, float]:
