@@ -138,11 +138,18 @@ def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def iter_gguf_tensors(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face parameter name, float32 tensor) for every weight in the file."""
+def iter_gguf_tensors(path: str, config: ModelConfig, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """(Hugging Face parameter name, float32 tensor) for every weight in the file. lazy: once the file is
+    converted, safetensors slices of the cached conversion instead, so that a tensor-parallel rank reads
+    only its shard (the first load dequantizes everything, once per rank)."""
     from safetensors.torch import load_file, save_file
 
     cached = os.path.join(gguf_cache_dir(path), "model.safetensors")
+    if os.path.isfile(cached) and lazy:
+        from tinyvllm.model.loader import iter_safetensors_file
+
+        yield from iter_safetensors_file(cached, lazy=True)
+        return
     if os.path.isfile(cached):
         yield from load_file(cached).items()
         return

@@ -82,7 +82,7 @@ def build_model(config: ModelConfig, path: str, device: torch.device, dtype: tor
     if is_gguf(path):
         from tinyvllm.model.gguf_loader import iter_gguf_tensors
 
-        tensors = iter_gguf_tensors(path, config)
+        tensors = iter_gguf_tensors(path, config, lazy=tp.size > 1)
     else:
         tensors = iter_safetensors(path, lazy=tp.size > 1)
     load_weights(model, tensors, tp)
@@ -122,15 +122,19 @@ def safetensors_files(path: str) -> list[str]:
 def iter_safetensors(path: str, lazy: bool = False) -> Iterator[tuple[str, Any]]:
     """(name, tensor) for every tensor in the directory; lazy: (name, safetensors slice) instead, indexed
     like a tensor, so that a tensor-parallel rank reads only its shard from the file."""
+    for file in safetensors_files(path):
+        yield from iter_safetensors_file(file, lazy)
+
+
+def iter_safetensors_file(file: str, lazy: bool = False) -> Iterator[tuple[str, Any]]:
     from safetensors import SafetensorError, safe_open
 
-    for file in safetensors_files(path):
-        try:
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    yield name, (f.get_slice(name) if lazy else f.get_tensor(name))
-        except (SafetensorError, OSError, json.JSONDecodeError) as e:
-            raise ModelLoadError(f"cannot read {file}: it is not a valid safetensors file ({e})") from e
+    try:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, (f.get_slice(name) if lazy else f.get_tensor(name))
+    except (SafetensorError, OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {file}: it is not a valid safetensors file ({e})") from e
 
 
 def load_weights(model: nn.Module, tensors: Iterator[tuple[str, Any]], tp: TensorParallel = TensorParallel()) -> None:
