@@ -42,6 +42,7 @@ def worker_main(rank: int, config: EngineConfig, model_path: str, device: str, d
                 max_model_len: int, init_method: str, errors: Any) -> None:
     """A rank > 0: join the group, build this rank's shard and runner, then run steps until told to stop."""
     _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops the ranks
     from tinyvllm.distributed import destroy_tensor_parallel, init_tensor_parallel, rank_device
     from tinyvllm.model.loader import build_model, load_model_config
     from tinyvllm.worker.model_runner import ModelRunner
