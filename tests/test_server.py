@@ -90,7 +90,9 @@ def server(tmp_path_factory):
     log = open(log_path, "w")
     process = subprocess.Popen(
         [sys.executable, "-m", "tinyvllm.cli", "serve", "--port", str(port), "--api-key", API_KEY,
-         "--num-kv-blocks", "512", "--max-num-seqs", "64", "--log-level", "warning"],
+         "--num-kv-blocks", "512", "--max-num-seqs", "64", "--log-level", "warning",
+         # as on a GPU, where it is the default: the engine thread launches step N+1 before reading step N
+         "--async-scheduling"],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=_single_threaded_env())
     srv = Server(process, port, log_path)
     try:
