@@ -278,6 +278,18 @@ def test_embedded_model_with_three_ranks():
         LLM(device="cpu", tensor_parallel_size=2)
 
 
+def test_a_second_engine_while_one_runs_is_refused(checkpoints):
+    from tinyvllm import LLM
+
+    path = checkpoints["gqa-tied-odd-vocab"]
+    llm = LLM(path, skip_tokenizer_init=True, device="cpu", num_kv_blocks=32, tensor_parallel_size=2)
+    try:
+        with pytest.raises(ConfigError, match="already running in this process"):
+            LLM(path, skip_tokenizer_init=True, device="cpu", num_kv_blocks=32, tensor_parallel_size=2)
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_a_dead_worker_fails_the_engine_loudly(checkpoints):
     import signal
 

@@ -12,7 +12,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tinyvllm.config import EngineConfig, ModelConfig, check_tensor_parallel_size
+import torch
+
+from tinyvllm.config import ConfigError, EngineConfig, ModelConfig, check_tensor_parallel_size
 from tinyvllm.distributed import ONE_GPU, TensorParallel, destroy_tensor_parallel, init_tensor_parallel
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.scheduler import Scheduler, SchedulerOutput
@@ -95,6 +97,9 @@ class LLMEngine:
         if size == 1:
             return TensorParallel(), None
         check_tensor_parallel_size(self.model_config, size, self.device.type, num_gpus=size if ONE_GPU else None)
+        if torch.distributed.is_initialized():
+            raise ConfigError("a tensor-parallel engine is already running in this process (torch.distributed is "
+                              "initialized): call its llm_engine.shutdown() first")
         init_method = free_tcp_init_method()
         workers = TensorParallelWorkers(self.config, self.model_path, self.device, self.dtype, self.max_model_len,
                                         init_method)
