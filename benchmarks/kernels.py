@@ -4,11 +4,14 @@
 - decode attention (paged, block size 16): GB/s of K+V attended vs SDPA flash on contiguous KV and vs
   the device-to-device copy ceiling measured here;
 - RMSNorm, fused add+RMSNorm, RoPE, SiLU-and-mul at >= 64 MB: GB/s vs the copy ceiling and the torch
-  reference; sampling at vocabulary 128256: microseconds vs the torch reference.
+  reference;
+- sampling at vocabulary 128256, batch 1/64/256 (greedy, temperature, top-k/top-p/min-p, with and without
+  the engine's hints, eager and in a CUDA graph): microseconds vs sample_ref or torch.argmax.
 
     python benchmarks/kernels.py [--quick] [--sweep]        (from the repository root)
 
---sweep also times alternative attention launch configurations (tile sizes, warps, stages, splits).
+--sweep also times alternative launch configurations: attention tiles, warps, stages and splits; RMSNorm
+rows per program and warps beside a copy with the same grid; without --quick, sampling chunk sizes.
 """
 
 from __future__ import annotations
