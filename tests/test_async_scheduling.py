@@ -149,3 +149,17 @@ def test_stop_strings_with_async_scheduling(tiny_text_checkpoint):
                         for o in llm.generate(prompts, params, use_tqdm=False)])
         llm.llm_engine.block_manager.check_whole()
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_model_runner_rows_of_finished_sequences_are_reused(checkpoint, async_scheduling):
+    """Each running sequence holds a row of the model runner's persistent arrays, handed back when it is
+    freed. Here one request finishes a step before the other's last token is pending, so that with async
+    scheduling the next batch is empty: the freed row must still come back (with the batch after)."""
+    llm = tiny_llm(checkpoint, async_scheduling=async_scheduling, num_kv_blocks=256, max_num_seqs=4)
+    runner = llm.llm_engine.model_runner
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 4)]
+    for _ in range(6):
+        llm.generate([[5, 6, 7], [8, 9, 10, 11]], params, use_tqdm=False)
+        assert len(runner._rows) <= 2  # this round's, until the next round's first batch hands them back
+    assert runner._tables.shape[0] == 2 * 4

@@ -28,7 +28,8 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    released: list[int] = field(default_factory=list)  # ids of sequences whose blocks were freed since the last step
+    # ids of the sequences whose blocks were freed since the last batch (the model runner drops their rows)
+    released: list[int] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -49,6 +50,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._released: list[int] = []
+        self._pending_in_queue = False  # a preempted sequence waits with a pending token (it may stop at it)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -73,8 +75,7 @@ class Scheduler:
         self._released.append(seq.seq_id)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(released=self._released)
-        self._released = []
+        out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         if self.policy == "static" and not self.running:
             self._admit_static_batch()
@@ -115,6 +116,8 @@ class Scheduler:
                 out.seqs.append(seq)
                 out.num_new_tokens.append(num_new)
                 budget -= num_new
+        if out.seqs:  # (an empty batch reaches no model runner: the ids wait for the next one)
+            out.released, self._released = self._released, []
         return out
 
     def _admit_static_batch(self) -> None:
@@ -152,6 +155,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks and queue it first, to recompute prompt and output later."""
         self._free(seq)
+        self._pending_in_queue |= seq.num_pending > 0
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -176,5 +180,6 @@ class Scheduler:
             self.running = [s for s in self.running if not s.is_finished]
             for seq in finished:
                 self._free(seq)
-        if self.waiting and any(s.is_finished for s in self.waiting):
+        if self._pending_in_queue:  # its token is known now: drop it if that token finished it
             self.waiting = deque(s for s in self.waiting if not s.is_finished)
+            self._pending_in_queue = False
