@@ -227,8 +227,7 @@ class LLMEngine:
                 if self.scheduler.has_unfinished():
                     raise RuntimeError("the scheduler has waiting requests but could schedule none")
                 return []
-        if self.async_scheduling and not any(s.num_pending and s.params.has_penalties
-                                             for s in self.scheduler.running):
+        if self.async_scheduling and not in_flight[1].has_penalties:  # penalties need the tokens on the host
             self._in_flight = self._launch(in_flight[1])
         return self._process(*in_flight)
 

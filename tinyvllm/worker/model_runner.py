@@ -92,6 +92,8 @@ TORCH_DTYPES = [torch.int64, torch.int32, torch.float32]
 # With tensor parallelism rank 0 broadcasts each step as a fixed-size int64 header (what follows, the
 # batch's two maxima and the layout) and then the packed buffer; the other ranks rebuild the step from them.
 _HEADER_SIZE = 128
+# What a row's SamplingParams ask of the sampler beyond the kernel (bits of ModelRunner._needs)
+_PENALTIES, _LOGPROBS, _MIN_TOKENS = 1, 2, 4
 _STEP, _STOP = 1, 2
 
 
@@ -211,10 +213,11 @@ class ModelRunner:
         self._top_p = np.ones(capacity, dtype=np.float32)
         self._min_p = np.zeros(capacity, dtype=np.float32)
         self._seeds = np.zeros(capacity, dtype=np.uint64)
+        self._needs = np.zeros(capacity, dtype=np.int8)  # _PENALTIES | _LOGPROBS | _MIN_TOKENS
 
     def _grow_rows(self) -> None:
         old = self._tables.shape[0]
-        for name in ("_tables", "_synced", "_temperature", "_top_k", "_top_p", "_min_p", "_seeds"):
+        for name in ("_tables", "_synced", "_temperature", "_top_k", "_top_p", "_min_p", "_seeds", "_needs"):
             array = getattr(self, name)
             grown = np.zeros((2 * old, *array.shape[1:]), dtype=array.dtype)
             grown[:old] = array
@@ -232,6 +235,8 @@ class ModelRunner:
             self._temperature[row] = 0.0 if p.greedy else p.temperature
             self._top_k[row], self._top_p[row], self._min_p[row] = p.top_k, p.top_p, p.min_p
             self._seeds[row] = seq.seed
+            self._needs[row] = (_PENALTIES * p.has_penalties | _LOGPROBS * (p.logprobs is not None)
+                                | _MIN_TOKENS * (p.min_tokens > 0))
         table, synced = seq.block_table, int(self._synced[row])
         if len(table) > synced:
             self._tables[row, synced:len(table)] = table[synced:]
@@ -305,13 +310,17 @@ class ModelRunner:
             self._broadcast_step(buffer, layout, max_query_len, max_context_len)
         meta = AttentionMetadata(cu_query_lens=cu_t, context_lens=context_t, block_tables=tables_t,
                                  slot_mapping=slots_t, max_query_len=max_query_len, max_context_len=max_context_len)
+        needs = int(np.bitwise_or.reduce(self._needs[sample_rows])) if len(sampled) else 0
+        flags = dict(any_penalties=bool(needs & _PENALTIES), any_logprobs=bool(needs & _LOGPROBS),
+                     any_min_tokens=bool(needs & _MIN_TOKENS))
         if all_greedy:
-            sampling = SamplingTensors(None, None, None, None, None, True, False, 0, False)
+            sampling = SamplingTensors(None, None, None, None, None, all_greedy=True, use_top_p=False, max_top_k=0,
+                                       use_min_p=False, **flags)
         else:
             active_k = ~greedy & (top_k > 0) & (top_k < self.model_config.vocab_size)
             sampling = SamplingTensors(*views[-5:], all_greedy=False, use_top_p=bool(((top_p < 1) & ~greedy).any()),
                                        max_top_k=int(top_k[active_k].max()) if active_k.any() else 0,
-                                       use_min_p=bool(((min_p > 0) & ~greedy).any()))
+                                       use_min_p=bool(((min_p > 0) & ~greedy).any()), **flags)
         return ModelInput(ids_t, positions_t, meta, logits_t, sampled_seqs, sampling)
 
     @torch.inference_mode()
@@ -326,7 +335,7 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sampled_seqs:
             return AsyncSamplerOutput([], torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64),
-                                      None, None)
+                                      None, None, False)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return self.sampler(logits, inputs.sampled_seqs, inputs.sampling)
 

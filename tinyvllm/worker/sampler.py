@@ -6,6 +6,7 @@ async scheduling) and are copied to pinned host memory behind an event; AsyncSam
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +53,10 @@ class SamplingTensors:
     use_top_p: bool  # some sampled row has top_p < 1
     max_top_k: int  # the largest active top_k of a sampled row, 0 for none
     use_min_p: bool  # some sampled row has min_p > 0
+    # Whether some row asks for what needs a pass over the sequences in Python (most steps: none)
+    any_penalties: bool = False
+    any_logprobs: bool = False
+    any_min_tokens: bool = False
 
 
 @dataclass
@@ -66,11 +71,16 @@ class AsyncSamplerOutput:
     step's inputs; get() waits for the copy and returns the SamplerOutput."""
 
     def __init__(self, seqs: list[Sequence], token_ids: torch.Tensor, host: torch.Tensor,
-                 event: torch.cuda.Event | None, raw_logprobs: torch.Tensor | None) -> None:
+                 event: torch.cuda.Event | None, raw_logprobs: torch.Tensor | None, has_penalties: bool) -> None:
         self.seqs = seqs
         self.token_ids = token_ids
-        self.row_of = {seq.seq_id: row for row, seq in enumerate(seqs)}
+        self.has_penalties = has_penalties  # the next step cannot overlap this one: it needs these tokens
         self._host, self._event, self._raw_logprobs = host, event, raw_logprobs
+
+    @functools.cached_property
+    def row_of(self) -> dict[int, int]:
+        """seq_id -> row of token_ids (only a next step with pending inputs asks)."""
+        return {seq.seq_id: row for row, seq in enumerate(self.seqs)}
 
     def get(self) -> SamplerOutput:
         if self._event is not None:
@@ -105,19 +115,19 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
                  sampling: SamplingTensors) -> AsyncSamplerOutput:
-        params = [s.params for s in seqs]
         # Logprobs are those of the model's own distribution, before penalties and temperature.
-        want_logprobs = any(p.logprobs is not None for p in params)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        logits = self._apply_penalties(logits, seqs)
-        logits = self._apply_min_tokens(logits, seqs)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if sampling.any_logprobs else None
+        if sampling.any_penalties:
+            logits = self._apply_penalties(logits, seqs)
+        if sampling.any_min_tokens:
+            logits = self._apply_min_tokens(logits, seqs)
         if sampling.all_greedy:
             token_ids = logits.argmax(dim=-1)
         else:
             token_ids = ops.sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
                                    sampling.seeds, use_top_p=sampling.use_top_p, max_top_k=sampling.max_top_k,
                                    use_min_p=sampling.use_min_p)
-        return AsyncSamplerOutput(seqs, token_ids, *self._to_host(token_ids), raw_logprobs)
+        return AsyncSamplerOutput(seqs, token_ids, *self._to_host(token_ids), raw_logprobs, sampling.any_penalties)
 
     def _to_host(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         if token_ids.device.type != "cuda":
