@@ -47,6 +47,22 @@ def random_llama_1b(path: str = "/tmp/llama-1b-random") -> str:
     return random_llama(path, LLAMA_1B)
 
 
+def cuda_ms(fn: Any, reps: int = 50) -> float:
+    """Milliseconds of GPU time per call of fn (which only enqueues work), by CUDA events over `reps` calls
+    after one warm-up call."""
+    import torch
+
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def attention_metadata(query_lens: list[int], context_lens: list[int], block_tables: Any) -> Any:
     """AttentionMetadata for a batch whose K/V are in the cache already (for timing or checking attention
     alone: slot_mapping is all zeros, as no op here stores K/V)."""

@@ -9,7 +9,7 @@ import argparse
 import json
 import time
 
-from common import commit, gpu_name, random_llama_1b
+from common import commit, cuda_ms, gpu_name, random_llama_1b
 
 FLOOR_MS = 0.594  # batch-1 decode floor for the 1B model: weights / copy bandwidth (BENCHMARKS.md)
 
@@ -44,7 +44,6 @@ def step_breakdown(llm, prompt_len: int, output_len: int) -> dict[str, float]:
     the GPU time of one decode graph replay and of the LM head + argmax (CUDA events). With async
     scheduling the phases of two steps interleave: a step launches the next batch, then waits for its
     own tokens, so 'wait for the tokens' is the GPU time the host could not hide."""
-    import torch
 
     from tinyvllm import SamplingParams
     from tinyvllm.worker.sampler import AsyncSamplerOutput
@@ -83,21 +82,9 @@ def step_breakdown(llm, prompt_len: int, output_len: int) -> dict[str, float]:
     result = {name: v / steps * 1e3 for name, v in totals.items()}
     result["whole step"] = wall / steps * 1e3
     if runner.graphs:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(100):
-            runner.graphs[1].replay()
-        end.record()
-        torch.cuda.synchronize()
-        result["GPU: decode graph replay (16 layers)"] = start.elapsed_time(end) / 100
+        result["GPU: decode graph replay (16 layers)"] = cuda_ms(runner.graphs[1].replay, 100)
         hidden = runner.graph_outputs[:1]
-        start.record()
-        for _ in range(100):
-            runner.model.compute_logits(hidden).argmax(-1)
-        end.record()
-        torch.cuda.synchronize()
-        result["GPU: LM head + argmax"] = start.elapsed_time(end) / 100
+        result["GPU: LM head + argmax"] = cuda_ms(lambda: runner.model.compute_logits(hidden).argmax(-1), 100)
     return result
 
 

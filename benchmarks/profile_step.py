@@ -17,13 +17,14 @@ import argparse
 import json
 from collections import defaultdict
 
-from common import commit, gpu_name, random_llama_1b
+from common import commit, cuda_ms, gpu_name, random_llama_1b
 
 LAYER_SHAPES = {"qkv_proj": (3072, 2048), "o_proj": (2048, 2048), "gate_up_proj": (16384, 2048),
                 "down_proj": (2048, 8192), "lm_head": (128256, 2048)}
 
 
 def graph_time_ms(fn, reps: int = 20) -> float:
+    """GPU milliseconds of fn captured as a CUDA graph and replayed."""
     import torch
 
     fn()
@@ -31,14 +32,7 @@ def graph_time_ms(fn, reps: int = 20) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+    return cuda_ms(graph.replay, reps)
 
 
 def bench_matmuls(batches: list[int]) -> list[dict]:
@@ -72,21 +66,28 @@ def bench_matmuls(batches: list[int]) -> list[dict]:
     return rows
 
 
+def decoding_llm(path: str, batch: int, context: int, **engine_args):
+    """An engine with `batch` sequences of `context` prompt tokens, all past their prefill (decoding)."""
+    from tinyvllm import LLM, SamplingParams
+
+    llm = LLM(path, skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=max(batch, 1),
+              gpu_memory_utilization=0.5, **engine_args)
+    engine = llm.llm_engine
+    for i in range(batch):
+        engine.add_request(str(i), [(7 * i + j) % 10000 for j in range(context)],
+                           SamplingParams(temperature=0.6, max_tokens=64, ignore_eos=True))
+    while engine.scheduler.waiting or any(s.num_output_tokens < 2 for s in engine.scheduler.running):
+        engine.step()
+    return llm
+
+
 def kernel_breakdown(path: str, batch: int, context: int) -> dict:
     """Per-kernel GPU time of one eager decode step at `batch` sequences of `context` tokens."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from tinyvllm import LLM, SamplingParams
-
-    llm = LLM(path, skip_tokenizer_init=True, enforce_eager=True, max_model_len=4096, max_num_seqs=max(batch, 1),
-              gpu_memory_utilization=0.5)
+    llm = decoding_llm(path, batch, context, enforce_eager=True)
     engine = llm.llm_engine
-    for i in range(batch):
-        engine.add_request(str(i), [(7 * i + j) % 10000 for j in range(context)],
-                           SamplingParams(temperature=0.6, max_tokens=64, ignore_eos=True))
-    while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
     for _ in range(3):
         engine.step()
     torch.cuda.synchronize()
@@ -132,28 +133,11 @@ def graph_step_ms(path: str, batch: int, context: int) -> float:
     """GPU time of one decode step's graph (16 layers) at `batch`, by CUDA events."""
     import torch
 
-    from tinyvllm import LLM, SamplingParams
-
-    llm = LLM(path, skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=max(batch, 1),
-              gpu_memory_utilization=0.5)
+    llm = decoding_llm(path, batch, context)
     engine = llm.llm_engine
-    for i in range(batch):
-        engine.add_request(str(i), [(7 * i + j) % 10000 for j in range(context)],
-                           SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True))
-    engine.step()
-    while engine.has_unfinished_requests() and any(s.num_output_tokens < 2 for s in engine.scheduler.running):
-        engine.step()
     runner = engine.model_runner
     bs = next(b for b in runner.graph_batch_sizes if b >= batch)
-    graph = runner.graphs[bs]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(50):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / 50
+    ms = cuda_ms(runner.graphs[bs].replay, 50)
     print(f"  graph replay, batch {batch} (graph {bs}): {ms:.3f} ms")
     del llm, engine
     torch.cuda.empty_cache()
