@@ -238,6 +238,8 @@ class LLMEngine:
             return None
         now = time.time()
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            if seq.num_computed_tokens >= seq.num_prompt_tokens:
+                continue  # a decode: both figures below change only while a prompt is computed
             metrics = self.requests[seq.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
