@@ -32,24 +32,27 @@ def hf_throughput(path: str, prompts: list[list[int]], max_new_tokens: int) -> d
 
 
 def trace_steps(llm) -> list[tuple[int, int, float]]:
-    """Wraps the engine so that each step records (sequences, tokens, seconds); returns the list it fills."""
+    """Wraps the engine so that each step records (sequences, tokens, seconds) of the batch whose outputs it
+    returns (with async scheduling a step also launches the next batch: that one is not the step's); returns
+    the list it fills."""
     engine = llm.llm_engine
     records: list[tuple[int, int, float]] = []
-    schedule, step = engine.scheduler.schedule, engine.step
-    last: list = [None]
+    process, step = engine._process, engine.step
+    processed: list = [None]
 
-    def traced_schedule():
-        last[0] = schedule()
-        return last[0]
+    def traced_process(batch, pending):
+        processed[0] = batch
+        return process(batch, pending)
 
     def traced_step():
         start = time.perf_counter()
+        processed[0] = None
         outputs = step()
-        if last[0] is not None:
-            records.append((len(last[0].seqs), last[0].num_batched_tokens, time.perf_counter() - start))
+        if processed[0] is not None:
+            records.append((len(processed[0].seqs), processed[0].num_batched_tokens, time.perf_counter() - start))
         return outputs
 
-    engine.scheduler.schedule, engine.step = traced_schedule, traced_step
+    engine._process, engine.step = traced_process, traced_step
     return records
 
 
