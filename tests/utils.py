@@ -75,7 +75,7 @@ def our_logits(llm: Any, token_ids: list[int]) -> torch.Tensor:
         max_query_len=n, max_context_len=n)
     ids = torch.tensor(token_ids, device=device)
     hidden = runner.model(ids, torch.arange(n, device=device), meta)
-    return runner.model.compute_logits(hidden)
+    return runner.model.compute_logits(hidden).float()
 
 
 @torch.inference_mode()

@@ -22,7 +22,7 @@ def sample_ref(
     max_top_k: int | None = None,
     use_min_p: bool | None = None,
 ) -> torch.Tensor:
-    """logits [B, V] float32 and per-row parameters [B] -> token ids [B] int64.
+    """logits [B, V] (any float dtype, read as float32) and per-row parameters [B] -> token ids [B] int64.
 
     A row with temperature 0 is greedy. Otherwise probs = softmax(logits / T), truncated to the top_k
     most likely tokens (top_k <= 0: all), to the smallest set whose mass reaches top_p, and to tokens
@@ -31,6 +31,7 @@ def sample_ref(
     on its own seed only, whatever else is in the batch. use_top_p / max_top_k / use_min_p are hints for the
     kernel (whether any sampled row has top_p < 1, its largest active top_k, whether any has min_p > 0),
     unused here."""
+    logits = logits.float()
     greedy = logits.argmax(dim=-1)
     if bool((temperature == 0).all()):
         return greedy

@@ -17,6 +17,10 @@ from tinyvllm.engine.sequence import Sequence
 from tinyvllm.outputs import Logprob
 
 _MASK64 = (1 << 63) - 1
+# Up to this many all-greedy rows, our sampling kernel's argmax (split over the vocabulary) beats torch.argmax:
+# at batch 1, in a CUDA graph, the kernel took 7.1 us with sampling and torch.argmax 26.6 us; at 64 rows
+# argmax was faster, 46 us to 83 (benchmarks/kernels.py, H200, 2026-12-03).
+_KERNEL_GREEDY_MAX_ROWS = 8
 _SEED_MULTIPLIERS = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
 
@@ -112,22 +116,36 @@ class Sampler:
         # N+1's copy is queued (async scheduling); N+2 reuses N's, which has been read by then.
         self._host_buffers: list[torch.Tensor] = []
         self._turn = 0
+        self._greedy: tuple[torch.Tensor, ...] = ()
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
                  sampling: SamplingTensors) -> AsyncSamplerOutput:
-        # Logprobs are those of the model's own distribution, before penalties and temperature.
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if sampling.any_logprobs else None
+        # The logits come in the model's dtype. Logprobs are those of the model's own distribution, before
+        # penalties and temperature, in float32; penalties are applied in float32 too (as vLLM).
+        raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32) if sampling.any_logprobs else None
         if sampling.any_penalties:
-            logits = self._apply_penalties(logits, seqs)
+            logits = self._apply_penalties(logits.float(), seqs)
         if sampling.any_min_tokens:
             logits = self._apply_min_tokens(logits, seqs)
-        if sampling.all_greedy:
+        if sampling.all_greedy and logits.is_cuda and logits.shape[0] <= _KERNEL_GREEDY_MAX_ROWS:
+            token_ids = ops.sample(logits, *self._greedy_rows(logits.shape[0]), use_top_p=False, max_top_k=0,
+                                   use_min_p=False)
+        elif sampling.all_greedy:
             token_ids = logits.argmax(dim=-1)
         else:
             token_ids = ops.sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
                                    sampling.seeds, use_top_p=sampling.use_top_p, max_top_k=sampling.max_top_k,
                                    use_min_p=sampling.use_min_p)
         return AsyncSamplerOutput(seqs, token_ids, *self._to_host(token_ids), raw_logprobs, sampling.any_penalties)
+
+    def _greedy_rows(self, n: int) -> tuple[torch.Tensor, ...]:
+        """Sampling parameters of n greedy rows (temperature 0), kept on the device."""
+        if not self._greedy or self._greedy[0].shape[0] < n:
+            size = max(n, _KERNEL_GREEDY_MAX_ROWS)
+            zeros = torch.zeros(size, dtype=torch.float32, device=self.device)
+            index = torch.zeros(size, dtype=torch.int64, device=self.device)
+            self._greedy = (zeros, index, torch.ones_like(zeros), zeros, index)
+        return tuple(t[:n] for t in self._greedy)
 
     def _to_host(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         if token_ids.device.type != "cuda":
