@@ -28,7 +28,13 @@ from tinyvllm.ops.layernorm import (  # noqa: E402
     rms_norm_ref,
     rms_norm_triton,
 )
-from tinyvllm.ops.rotary import build_cos_sin_cache, rotary_embedding_ref, rotary_embedding_triton  # noqa: E402
+from tinyvllm.ops.rotary import (  # noqa: E402
+    build_cos_sin_cache,
+    rotary_embedding_and_store_ref,
+    rotary_embedding_and_store_triton,
+    rotary_embedding_ref,
+    rotary_embedding_triton,
+)
 from tinyvllm.ops.sampling import sample_triton  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # log(0) = -inf on purpose in sampling
@@ -50,6 +56,8 @@ def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
 def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     if actual.dtype == torch.float32:
         torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-5)
+    elif actual.dtype == torch.bfloat16:  # the interpreter rounds float32 to bfloat16 toward zero: one step apart
+        torch.testing.assert_close(actual.float(), expected.float(), atol=1e-5, rtol=1.6e-2)
     else:
         torch.testing.assert_close(actual.float(), expected.float(), atol=2e-3, rtol=2e-3)
 
@@ -110,6 +118,34 @@ def test_rotary_embedding_in_place(head_dim: int, dtype: torch.dtype) -> None:
     assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
     _close(q, ref_q)
     _close(k, ref_k)
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 2), (9, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding_and_store(num_q_heads: int, num_kv_heads: int, dtype: torch.dtype) -> None:
+    num_blocks, block_size, head_dim, tokens = 4, 8, 64, 6
+    cache = build_cos_sin_cache(head_dim, 200, 500000.0, None, torch.device("cpu"))
+    positions = torch.randint(0, 200, (tokens,))
+    slots = torch.tensor([9, -1, 30, 0, -1, 17], dtype=torch.int64)  # two padding tokens
+    # q, k and v as views of one fused qkv projection, as the model produces them
+    qkv = torch.randn(tokens, (num_q_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = (x.view(tokens, -1, head_dim) for x in (q, k, v))
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    ref_q = rotary_embedding_and_store_ref(positions, q.clone(), k.clone(), v.clone(), cache, ref_k, ref_v, slots)
+    original_k, original_cache = k.clone(), k_cache.clone()
+    out_q = rotary_embedding_and_store_triton(positions, q, k, v, cache, k_cache, v_cache, slots)
+    assert out_q.data_ptr() == q.data_ptr()
+    _close(q, ref_q)  # padding tokens' q too
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    flat_k, flat_ref_k, flat_original = k_cache.flatten(0, 1), ref_k.flatten(0, 1), original_cache.flatten(0, 1)
+    _close(flat_k[written], flat_ref_k[written])
+    torch.testing.assert_close(flat_k[~written], flat_original[~written], atol=0, rtol=0)
+    torch.testing.assert_close(v_cache, ref_v, atol=0, rtol=0)
+    torch.testing.assert_close(k, original_k, atol=0, rtol=0)  # k itself is read only
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

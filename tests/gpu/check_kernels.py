@@ -36,7 +36,13 @@ from tinyvllm.ops.layernorm import (  # noqa: E402
     rms_norm_ref,
     rms_norm_triton,
 )
-from tinyvllm.ops.rotary import build_cos_sin_cache, rotary_embedding_ref, rotary_embedding_triton  # noqa: E402
+from tinyvllm.ops.rotary import (  # noqa: E402
+    build_cos_sin_cache,
+    rotary_embedding_and_store_ref,
+    rotary_embedding_and_store_triton,
+    rotary_embedding_ref,
+    rotary_embedding_triton,
+)
 from tinyvllm.ops.sampling import sample_triton  # noqa: E402
 
 DEVICE = torch.device("cuda")
@@ -140,6 +146,36 @@ def check_store_kv(tokens: int) -> None:
         store_kv_triton(k, v, k_cache, v_cache, slots)
         exact = torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
         record(f"store_kv T={tokens} {short(dtype)}", exact, "bit-exact" if exact else "differs from store_kv_ref")
+
+
+def check_rotary_and_store(token_counts: list[int]) -> None:
+    cache = build_cos_sin_cache(HEAD_DIM, 131072, 500000.0, LLAMA3_SCALING, DEVICE)
+    for dtype in DTYPES:
+        for tokens in token_counts:
+            num_blocks = tokens // BLOCK_SIZE + 64
+            k_cache = torch.randn(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device=DEVICE).to(dtype)
+            v_cache = torch.randn_like(k_cache)
+            slots = torch.randperm(num_blocks * BLOCK_SIZE, device=DEVICE)[:tokens]
+            slots[torch.rand(tokens, device=DEVICE) < 0.05] = -1  # padding tokens
+            qkv = torch.randn(tokens, (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, device=DEVICE).to(dtype)
+            q, k, v = qkv.split([NUM_Q_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM], dim=-1)
+            q, k, v = (x.view(tokens, -1, HEAD_DIM) for x in (q, k, v))
+            positions = torch.randint(0, 131072, (tokens,), device=DEVICE)
+            ref_k, ref_v = k_cache.float(), v_cache.float()
+            ref_q = rotary_embedding_and_store_ref(positions, q.float(), k.float(), v.float(), cache, ref_k, ref_v,
+                                                   slots)
+            original_k, original_cache = k.clone(), k_cache.clone()
+            rotary_embedding_and_store_triton(positions, q, k, v, cache, k_cache, v_cache, slots)  # q in place
+            name = f"rotary_embedding_and_store T={tokens} {short(dtype)}"
+            compare(f"{name} (q)", q, ref_q, dtype)
+            written = torch.zeros(num_blocks * BLOCK_SIZE, dtype=torch.bool, device=DEVICE)
+            written[slots[slots >= 0]] = True
+            flat_k, flat_ref_k = k_cache.flatten(0, 1), ref_k.flatten(0, 1)
+            compare(f"{name} (k cache)", flat_k[written], flat_ref_k[written], dtype)
+            exact = (torch.equal(flat_k[~written], original_cache.flatten(0, 1)[~written])
+                     and torch.equal(v_cache, ref_v.to(dtype)) and torch.equal(k, original_k))
+            record(f"{name} (v, other slots, k)", exact,
+                   "bit-exact" if exact else "v, another slot or k itself changed")
 
 
 # ------------------------------------------------------------------------------------------------ attention
@@ -340,6 +376,7 @@ def main() -> int:
     t0 = time.perf_counter()
     check_elementwise([1, 8192] if args.quick else [1, 7, 1000, 8192])
     check_store_kv(8192)
+    check_rotary_and_store([1, 8192] if args.quick else [1, 7, 1000, 8192])
     check_attention(args.quick)
     check_sampling()
     print(f"\n{len(failures)} failure(s) in {time.perf_counter() - t0:.0f} s")

@@ -137,8 +137,9 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = ops.rotary_embedding(positions, q, k, cos_sin)
-        ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        # One kernel: q rotated in place, k rotated on its way into the cache, v copied there.
+        q = ops.rotary_embedding_and_store(positions, q, k, v, cos_sin, self.k_cache, self.v_cache,
+                                           meta.slot_mapping)
         out = ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from tinyvllm.ops.kv_cache import store_kv_ref
+
 try:
     import triton
     import triton.language as tl
@@ -59,20 +61,53 @@ def rotary_embedding_ref(
     return rotate(q), rotate(k)
 
 
+def rotary_embedding_and_store_ref(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """rotary_embedding_ref, then store_kv_ref of the rotated k and of v (padding slots, -1, are skipped;
+    their q is rotated all the same); returns the new q. Attention reads k only from the cache."""
+    q, k = rotary_embedding_ref(positions, q, k, cos_sin_cache)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
 if triton is not None:
 
-    # One program per token rotates all its heads of q and k in place; with (x1, x2) the halves of a head,
+    # One program per token rotates all its heads of q and k; with (x1, x2) the halves of a head,
     # (cos, sin) = cos_sin_cache[position]:   x1' = x1*cos - x2*sin,   x2' = x2*cos + x1*sin   (in float32).
+    # _rotate_heads reads the heads at src and writes them rotated at dst (dst = src: in place), rounded to
+    # src's dtype and then to dst's, as rotating k in place and then storing it would.
     @triton.jit
-    def _rotate_heads(x_ptr, stride_head, num_heads, cos, sin, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr):
-        heads = tl.arange(0, BLOCK_HEADS)
+    def _rotate_heads(
+        src_ptr, src_stride_head, dst_ptr, dst_stride_head, num_heads, cos, sin,
+        HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+    ):
+        heads = tl.arange(0, BLOCK_HEADS)[:, None]
+        cols = tl.arange(0, HALF)[None, :]
+        src = src_ptr + heads * src_stride_head + cols
+        dst = dst_ptr + heads * dst_stride_head + cols
+        mask = heads < num_heads
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+        out1 = (x1 * cos - x2 * sin).to(src_ptr.dtype.element_ty)
+        out2 = (x2 * cos + x1 * sin).to(src_ptr.dtype.element_ty)
+        tl.store(dst, out1.to(dst_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, out2.to(dst_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _load_cos_sin(positions_ptr, cache_ptr, token, stride_cache, HALF: tl.constexpr):
+        position = tl.load(positions_ptr + token).to(tl.int64)
         cols = tl.arange(0, HALF)
-        first = x_ptr + heads[:, None] * stride_head + cols[None, :]
-        mask = heads[:, None] < num_heads
-        x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
-        tl.store(first, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-        tl.store(first + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+        cos = tl.load(cache_ptr + position * stride_cache + cols)[None, :]
+        sin = tl.load(cache_ptr + position * stride_cache + HALF + cols)[None, :]
+        return cos, sin
 
     @triton.jit
     def _rotary_kernel(
@@ -81,12 +116,39 @@ if triton is not None:
         HALF: tl.constexpr, BLOCK_Q_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr,
     ):
         token = tl.program_id(0).to(tl.int64)
-        position = tl.load(positions_ptr + token).to(tl.int64)
-        cols = tl.arange(0, HALF)
-        cos = tl.load(cache_ptr + position * stride_cache + cols)[None, :]
-        sin = tl.load(cache_ptr + position * stride_cache + HALF + cols)[None, :]
-        _rotate_heads(q_ptr + token * stride_qt, stride_qh, num_q_heads, cos, sin, HALF, BLOCK_Q_HEADS)
-        _rotate_heads(k_ptr + token * stride_kt, stride_kh, num_kv_heads, cos, sin, HALF, BLOCK_KV_HEADS)
+        cos, sin = _load_cos_sin(positions_ptr, cache_ptr, token, stride_cache, HALF)
+        q = q_ptr + token * stride_qt
+        k = k_ptr + token * stride_kt
+        _rotate_heads(q, stride_qh, q, stride_qh, num_q_heads, cos, sin, HALF, BLOCK_Q_HEADS)
+        _rotate_heads(k, stride_kh, k, stride_kh, num_kv_heads, cos, sin, HALF, BLOCK_KV_HEADS)
+
+    # The rotary kernel with the KV store folded in (one launch per layer instead of two): q is rotated in
+    # place; for slot = slot_mapping[t] >= 0 the rotated k and v go to the cache at
+    # [slot // block_size, slot % block_size] (k itself is left as it was).
+    @triton.jit
+    def _rotary_and_store_kernel(
+        q_ptr, k_ptr, v_ptr, positions_ptr, cache_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cache,
+        stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+        num_q_heads, num_kv_heads, block_size,
+        HALF: tl.constexpr, BLOCK_Q_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr,
+    ):
+        token = tl.program_id(0).to(tl.int64)
+        cos, sin = _load_cos_sin(positions_ptr, cache_ptr, token, stride_cache, HALF)
+        q = q_ptr + token * stride_qt
+        _rotate_heads(q, stride_qh, q, stride_qh, num_q_heads, cos, sin, HALF, BLOCK_Q_HEADS)
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        if slot >= 0:
+            block, offset = slot // block_size, slot % block_size
+            k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs
+            _rotate_heads(k_ptr + token * stride_kt, stride_kh, k_dst, stride_kch, num_kv_heads, cos, sin,
+                          HALF, BLOCK_KV_HEADS)
+            heads = tl.arange(0, BLOCK_KV_HEADS)[:, None]
+            dims = tl.arange(0, 2 * HALF)[None, :]
+            mask = heads < num_kv_heads
+            v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+            v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + heads * stride_vch + dims
+            tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def rotary_embedding_triton(
@@ -108,3 +170,38 @@ def rotary_embedding_triton(
         num_warps=4 if block_q * half <= 1024 else 8,
     )
     return q, k
+
+
+def rotary_embedding_and_store_triton(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """rotary_embedding_and_store_ref in one kernel: q rotated IN PLACE (views of a fused qkv output are
+    fine as long as each head's values are contiguous), the rotated k and v written to their cache slots,
+    k itself untouched; returns q."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    half = head_dim // 2
+    if half & (half - 1) or q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or cos_sin_cache.stride(1) != 1:
+        raise ValueError("rotary_embedding_and_store_triton needs a power-of-two head_dim and contiguous heads")
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("rotary_embedding_and_store_triton needs a KV cache with contiguous heads")
+    if num_tokens == 0:
+        return q
+    block_q = triton.next_power_of_2(num_q_heads)
+    _rotary_and_store_kernel[(num_tokens,)](
+        q, k, v, positions.contiguous(), cos_sin_cache, k_cache, v_cache, slot_mapping.contiguous(),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        num_q_heads, num_kv_heads, k_cache.shape[1],
+        HALF=half, BLOCK_Q_HEADS=block_q, BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
+        num_warps=4 if block_q * half <= 1024 else 8,
+    )
+    return q
