@@ -8,10 +8,11 @@
 - sampling at vocabulary 128256, batch 1/64/256 (greedy, temperature, top-k/top-p/min-p, with and without
   the engine's hints, eager and in a CUDA graph): microseconds vs sample_ref or torch.argmax.
 
-    python benchmarks/kernels.py [--quick] [--sweep]        (from the repository root)
+    python benchmarks/kernels.py [--quick] [--sweep [prefill|decode|rms_norm] [--sweep-only]]
 
 --sweep also times alternative launch configurations: attention tiles, warps, stages and splits; RMSNorm
 rows per program and warps beside a copy with the same grid; without --quick, sampling chunk sizes.
+Naming a family sweeps only it; --sweep-only skips the tables.
 """
 
 from __future__ import annotations
@@ -319,11 +320,22 @@ PREFILL_SWEEP = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8
 DECODE_SWEEP = [(64, 4, 3), (64, 4, 2), (64, 8, 3), (64, 2, 3), (32, 4, 3), (32, 2, 3), (16, 2, 3), (128, 4, 3),
                 (128, 8, 3)]
 # (the engine's shapes: batch 1 at short contexts, batch 256 at the throughput workload's ~500-1500)
-DECODE_SWEEP_SHAPES = [(1, 128), (1, 512), (1, 8192), (64, 2048), (256, 512), (256, 1024), (256, 2048)]
+DECODE_SWEEP_SHAPES = [(1, 128), (1, 256), (1, 384), (1, 512), (1, 8192),
+                       (64, 2048), (256, 512), (256, 1024), (256, 2048)]
 
 
-def sweep() -> None:
+def sweep(what: str) -> None:
     """TFLOP/s and GB/s of alternative launch configurations, to choose prefill_config / decode_config."""
+    if what in ("all", "prefill"):
+        sweep_prefill()
+    if what in ("all", "decode"):
+        for batch, context in DECODE_SWEEP_SHAPES:
+            sweep_decode(batch, context)
+    if what in ("all", "rms_norm"):
+        sweep_rms_norm()
+
+
+def sweep_prefill() -> None:
     batch, length = PREFILL_BATCH, PREFILL_LEN
     q = torch.randn(batch * length, NUM_Q_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
     k4 = torch.randn(batch, NUM_KV_HEADS, length, HEAD_DIM, device=DEVICE, dtype=DTYPE)
@@ -338,9 +350,6 @@ def sweep() -> None:
             print(f"  {config}: {flops / bench(run) / 1e9:.1f} TFLOP/s", flush=True)
         except Exception as error:  # a config that does not compile or fit
             print(f"  {config}: failed ({type(error).__name__}: {str(error)[:100]})", flush=True)
-    for batch, context in DECODE_SWEEP_SHAPES:
-        sweep_decode(batch, context)
-    sweep_rms_norm()
 
 
 @triton.jit
@@ -402,7 +411,9 @@ def main() -> int:
     global QUICK
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer decode shapes, shorter timing runs")
-    parser.add_argument("--sweep", action="store_true", help="also time alternative attention launch configs")
+    parser.add_argument("--sweep", nargs="?", const="all", choices=("all", "prefill", "decode", "rms_norm"),
+                        help="also time alternative launch configs (of one kernel family, if named)")
+    parser.add_argument("--sweep-only", action="store_true", help="skip the tables, run the sweep alone")
     args = parser.parse_args()
     QUICK = args.quick
     if not torch.cuda.is_available():
@@ -410,6 +421,9 @@ def main() -> int:
         return 2
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
+    if args.sweep and args.sweep_only:
+        sweep(args.sweep)
+        return 0
     ceiling = copy_ceiling()
     print(f"device-to-device copy (2 GiB): {ceiling:.0f} GB/s (read + written)", flush=True)
 
@@ -426,7 +440,7 @@ def main() -> int:
     for table in (prefill, decode, elementwise, sampling):
         table.print()
     if args.sweep:
-        sweep()
+        sweep(args.sweep)
     return 0
 
 

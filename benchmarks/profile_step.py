@@ -121,7 +121,8 @@ def _group(name: str) -> str:
     for key, group in (("gemv", "matmul (cuBLAS)"), ("gemm", "matmul (cuBLAS)"), ("nvjet", "matmul (cuBLAS)"),
                        ("cutlass", "matmul (cuBLAS)"), ("sm90", "matmul (cuBLAS)"), ("splitk", "matmul (cuBLAS)"),
                        ("decode", "attention decode"), ("prefill", "attention prefill"), ("rms", "rmsnorm"),
-                       ("rotary", "rotary"), ("rope", "rotary"), ("silu", "silu_and_mul"),
+                       ("rotary_and_store", "rotary + kv store"), ("rotary", "rotary"), ("rope", "rotary"),
+                       ("silu", "silu_and_mul"),
                        ("store_kv", "kv store"), ("embedding", "embedding"), ("sample", "sampling"),
                        ("memcpy", "memcpy"), ("memset", "memset")):
         if key in lowered:
