@@ -425,7 +425,11 @@ def paged_decode_triton(
         _combine_splits_kernel[(num_seqs, num_q_heads)](
             out, partial_out, partial_lse, meta.cu_query_lens, meta.context_lens,
             out.stride(0), out.stride(1), num_q_heads, num_splits, min_partition,
-            BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_N=block_n, HEAD_DIM=head_dim, num_warps=4,
+            # One tile width whatever the split count: the sum's reduction tree, and so its rounding, is then
+            # the same for an eager step and a CUDA graph captured with more splits (both cut a context into
+            # the same pieces, see _split_partition). With a width per count, bf16 greedy runs parted.
+            BLOCK_SPLITS=max(_DECODE_MAX_SPLITS, triton.next_power_of_2(num_splits)), BLOCK_N=block_n,
+            HEAD_DIM=head_dim, num_warps=4,
         )
     return out
 
