@@ -132,13 +132,18 @@ def check_elementwise(token_counts: list[int]) -> None:
                     silu_and_mul_ref(gate_up.float()), dtype)
 
 
+def random_cache_slots(tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random K and V cache with room to spare, and distinct slots for `tokens` tokens, 5% padding (-1)."""
+    num_blocks = tokens // BLOCK_SIZE + 64
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device=DEVICE).to(dtype)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, device=DEVICE)[:tokens]
+    slots[torch.rand(tokens, device=DEVICE) < 0.05] = -1
+    return k_cache, torch.randn_like(k_cache), slots
+
+
 def check_store_kv(tokens: int) -> None:
     for dtype in DTYPES:
-        num_blocks = tokens // BLOCK_SIZE + 64
-        k_cache = torch.randn(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device=DEVICE).to(dtype)
-        v_cache = torch.randn_like(k_cache)
-        slots = torch.randperm(num_blocks * BLOCK_SIZE, device=DEVICE)[:tokens]
-        slots[torch.rand(tokens, device=DEVICE) < 0.05] = -1  # padding tokens
+        k_cache, v_cache, slots = random_cache_slots(tokens, dtype)
         k = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, device=DEVICE).to(dtype)
         v = torch.randn_like(k)
         ref_k, ref_v = k_cache.clone(), v_cache.clone()
@@ -152,11 +157,7 @@ def check_rotary_and_store(token_counts: list[int]) -> None:
     cache = build_cos_sin_cache(HEAD_DIM, 131072, 500000.0, LLAMA3_SCALING, DEVICE)
     for dtype in DTYPES:
         for tokens in token_counts:
-            num_blocks = tokens // BLOCK_SIZE + 64
-            k_cache = torch.randn(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device=DEVICE).to(dtype)
-            v_cache = torch.randn_like(k_cache)
-            slots = torch.randperm(num_blocks * BLOCK_SIZE, device=DEVICE)[:tokens]
-            slots[torch.rand(tokens, device=DEVICE) < 0.05] = -1  # padding tokens
+            k_cache, v_cache, slots = random_cache_slots(tokens, dtype)
             qkv = torch.randn(tokens, (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, device=DEVICE).to(dtype)
             q, k, v = qkv.split([NUM_Q_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM], dim=-1)
             q, k, v = (x.view(tokens, -1, HEAD_DIM) for x in (q, k, v))
@@ -168,7 +169,7 @@ def check_rotary_and_store(token_counts: list[int]) -> None:
             rotary_embedding_and_store_triton(positions, q, k, v, cache, k_cache, v_cache, slots)  # q in place
             name = f"rotary_embedding_and_store T={tokens} {short(dtype)}"
             compare(f"{name} (q)", q, ref_q, dtype)
-            written = torch.zeros(num_blocks * BLOCK_SIZE, dtype=torch.bool, device=DEVICE)
+            written = torch.zeros(k_cache.shape[0] * BLOCK_SIZE, dtype=torch.bool, device=DEVICE)
             written[slots[slots >= 0]] = True
             flat_k, flat_ref_k = k_cache.flatten(0, 1), ref_k.flatten(0, 1)
             compare(f"{name} (k cache)", flat_k[written], flat_ref_k[written], dtype)
