@@ -96,6 +96,7 @@ def main() -> None:
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-async-scheduling", action="store_true", help="launch each step after the last ends")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks, one GPU each (issue 7)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     path = args.model or random_llama_1b()
@@ -104,14 +105,21 @@ def main() -> None:
     from tinyvllm.bench import run_latency
 
     llm = LLM(path, skip_tokenizer_init=True, enforce_eager=args.enforce_eager, max_model_len=4096,
-              gpu_memory_utilization=0.5, async_scheduling=not args.no_async_scheduling)
-    ours = run_latency(llm, args.prompt_len, args.output_len)
-    breakdown = step_breakdown(llm, args.prompt_len, args.output_len)
+              gpu_memory_utilization=0.5, async_scheduling=not args.no_async_scheduling,
+              tensor_parallel_size=args.tensor_parallel_size)
+    try:
+        ours = run_latency(llm, args.prompt_len, args.output_len)
+        breakdown = step_breakdown(llm, args.prompt_len, args.output_len)
+    finally:
+        llm.llm_engine.shutdown()  # the tensor-parallel workers, before the peer needs the GPU
     prompt = list(range(1000, 1000 + args.prompt_len))
     del llm
-    result = {"commit": commit(), "gpu": gpu_name(), "ours": ours, "step_breakdown_ms": breakdown}
+    result = {"commit": commit(), "gpu": gpu_name(), "ours": ours, "step_breakdown_ms": breakdown,
+              "tensor_parallel_size": args.tensor_parallel_size}
     print(f"latency-b1 on {result['gpu']} at {result['commit']} ({args.prompt_len} prompt, {args.output_len} output)")
-    mode = ", ".join(m for m, on in (("eager", args.enforce_eager), ("sync", args.no_async_scheduling)) if on)
+    mode = ", ".join(m for m, on in (("eager", args.enforce_eager), ("sync", args.no_async_scheduling),
+                                     (f"tensor_parallel_size {args.tensor_parallel_size}",
+                                      args.tensor_parallel_size > 1)) if on)
     print(f"  tinyvllm{f' ({mode})' if mode else ''}: TTFT {ours['ttft_ms']:.2f} ms, "
           f"TPOT median {ours['tpot_ms_median']:.3f} ms ({ours['tok_per_s']:.0f} tok/s), "
           f"{FLOOR_MS / ours['tpot_ms_median']:.0%} of the {FLOOR_MS} ms bandwidth floor")

@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-async-scheduling", action="store_true", help="launch each step after the last ends")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks, one GPU each (issue 7)")
     parser.add_argument("--max-num-seqs", type=int, default=256,
                         help="below the number of prompts, static batching waits on each batch's longest request")
     parser.add_argument("--trace", action="store_true", help="time every step: decode-only vs mixed, by batch")
@@ -97,9 +98,10 @@ def main() -> None:
     from tinyvllm.bench import run_throughput, throughput_workload
 
     prompts, params = throughput_workload(args.num_prompts)
-    result = {"commit": commit(), "gpu": gpu_name()}
+    result = {"commit": commit(), "gpu": gpu_name(), "tensor_parallel_size": args.tensor_parallel_size}
     caching = "off" if args.no_prefix_caching else "on"
-    print(f"throughput-{args.num_prompts} (max_num_seqs {args.max_num_seqs}, prefix caching {caching}) "
+    tp = f", tensor_parallel_size {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+    print(f"throughput-{args.num_prompts} (max_num_seqs {args.max_num_seqs}, prefix caching {caching}{tp}) "
           f"on {result['gpu']} at {result['commit']}: "
           f"{sum(map(len, prompts))} prompt tokens, {sum(p.max_tokens for p in params)} output tokens")
     policies = ("continuous",) + (() if args.no_static else ("static",))
@@ -108,9 +110,12 @@ def main() -> None:
         llm = LLM(path, skip_tokenizer_init=True, scheduling=scheduling, enforce_eager=args.enforce_eager,
                   async_scheduling=not args.no_async_scheduling,
                   max_model_len=4096, max_num_seqs=args.max_num_seqs,
-                  enable_prefix_caching=not args.no_prefix_caching)
+                  enable_prefix_caching=not args.no_prefix_caching, tensor_parallel_size=args.tensor_parallel_size)
         records = trace_steps(llm) if args.trace else None
-        r = run_throughput(llm, prompts, params, on_start=records.clear if records is not None else None)
+        try:
+            r = run_throughput(llm, prompts, params, on_start=records.clear if records is not None else None)
+        finally:
+            llm.llm_engine.shutdown()  # the tensor-parallel workers, before the next engine starts its own
         if records is not None:
             r["trace"] = summarize_trace(records)
             print("    steps:", ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
