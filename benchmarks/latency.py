@@ -41,12 +41,12 @@ def hf_latency(path: str, prompt: list[int], output_len: int, static: bool) -> d
 
 def step_breakdown(llm, prompt_len: int, output_len: int) -> dict[str, float]:
     """Where a decode step's time goes: host time in each phase of LLMEngine.step (wrapped timers), and
-    the GPU time of one decode graph replay and of the LM head + argmax (CUDA events). With async
+    the GPU time of one decode graph replay and of the LM head + the sampler's greedy path (CUDA events). With async
     scheduling the phases of two steps interleave: a step launches the next batch, then waits for its
     own tokens, so 'wait for the tokens' is the GPU time the host could not hide."""
 
     from tinyvllm import SamplingParams
-    from tinyvllm.worker.sampler import AsyncSamplerOutput
+    from tinyvllm.worker.sampler import AsyncSamplerOutput, SamplingTensors
 
     engine = llm.llm_engine
     runner = engine.model_runner
@@ -84,7 +84,10 @@ def step_breakdown(llm, prompt_len: int, output_len: int) -> dict[str, float]:
     if runner.graphs:
         result["GPU: decode graph replay (16 layers)"] = cuda_ms(runner.graphs[1].replay, 100)
         hidden = runner.graph_outputs[:1]
-        result["GPU: LM head + argmax"] = cuda_ms(lambda: runner.model.compute_logits(hidden).argmax(-1), 100)
+        greedy = SamplingTensors(None, None, None, None, None, all_greedy=True, use_top_p=False, max_top_k=0,
+                                 use_min_p=False)
+        result["GPU: LM head + greedy sampler"] = cuda_ms(
+            lambda: runner.sampler(runner.model.compute_logits(hidden), [], greedy), 100)
     return result
 
 

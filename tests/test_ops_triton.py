@@ -28,6 +28,7 @@ from tinyvllm.ops.layernorm import (  # noqa: E402
     rms_norm_ref,
     rms_norm_triton,
 )
+from tinyvllm.ops.pdl import pdl_options  # noqa: E402
 from tinyvllm.ops.rotary import (  # noqa: E402
     build_cos_sin_cache,
     rotary_embedding_and_store_ref,
@@ -38,6 +39,12 @@ from tinyvllm.ops.rotary import (  # noqa: E402
 from tinyvllm.ops.sampling import sample_triton  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # log(0) = -inf on purpose in sampling
+
+
+def test_pdl_is_off_without_a_hopper_gpu() -> None:
+    """Programmatic dependent launch needs real PTX on SM90+: CPU tensors (and the interpreter, which these
+    tests run under) get plain launches, with the kernels' USE_PDL branch compiled out."""
+    assert pdl_options(torch.zeros(1)) == {"USE_PDL": False}
 
 _real_empty = torch.empty
 

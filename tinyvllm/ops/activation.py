@@ -9,6 +9,8 @@ try:
 except ImportError:  # the CPU engine imports the reference on machines without Triton
     triton = None
 
+from tinyvllm.ops.pdl import pdl_options, pdl_wait
+
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] (gate then up, as the merged gate_up projection writes them) -> [T, I]."""
@@ -21,7 +23,9 @@ if triton is not None:
     # out[t, i] = silu(g) * u with g = x[t, i], u = x[t, I + i], silu(g) = g / (1 + exp(-g)), in float32;
     # one program per (token, column tile).
     @triton.jit
-    def _silu_and_mul_kernel(out_ptr, x_ptr, inter, stride_x, stride_out, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(out_ptr, x_ptr, inter, stride_x, stride_out, BLOCK: tl.constexpr,
+                             USE_PDL: tl.constexpr):
+        pdl_wait(USE_PDL)
         token = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter
@@ -41,5 +45,6 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] > 0:
         block = min(triton.next_power_of_2(inter), 1024)
         grid = (x2.shape[0], triton.cdiv(inter, block))
-        _silu_and_mul_kernel[grid](out, x2, inter, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+        _silu_and_mul_kernel[grid](out, x2, inter, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+                                   **pdl_options(x2))
     return out.reshape(*x.shape[:-1], inter)

@@ -13,6 +13,8 @@ try:
 except ImportError:  # the CPU engine imports the reference on machines without Triton
     triton = None
 
+from tinyvllm.ops.pdl import pdl_options, pdl_wait
+
 
 @dataclass
 class AttentionMetadata:
@@ -163,8 +165,9 @@ if triton is not None:
         stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_table, qk_scale,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
     ):
+        pdl_wait(USE_PDL)
         BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
         kv_head, seq = tl.program_id(0), tl.program_id(1)
         tile = tl.num_programs(2) - 1 - tl.program_id(2)  # the last tiles (the most keys) start first
@@ -230,8 +233,9 @@ if triton is not None:
         stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_table, qk_scale, num_q_heads, num_splits, min_partition,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        HEAD_DIM: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+        HEAD_DIM: tl.constexpr, SINGLE_SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
     ):
+        pdl_wait(USE_PDL)
         seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         token = tl.load(cu_query_lens_ptr + seq)
         query_len = tl.load(cu_query_lens_ptr + seq + 1) - token
@@ -281,8 +285,9 @@ if triton is not None:
     def _combine_splits_kernel(
         out_ptr, partial_out_ptr, partial_lse_ptr, cu_query_lens_ptr, context_lens_ptr,
         stride_ot, stride_oh, num_q_heads, num_splits, min_partition,
-        BLOCK_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
     ):
+        pdl_wait(USE_PDL)
         seq, head = tl.program_id(0), tl.program_id(1)
         token = tl.load(cu_query_lens_ptr + seq)
         query_len = tl.load(cu_query_lens_ptr + seq + 1) - token
@@ -362,7 +367,7 @@ def paged_prefill_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0), scale * _LOG2E,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=q.shape[2],
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_options(q),
     )
     return out
 
@@ -419,7 +424,7 @@ def paged_decode_triton(
         num_q_heads, num_splits, min_partition,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, SINGLE_SPLIT=single,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_options(q),
     )
     if not single:
         _combine_splits_kernel[(num_seqs, num_q_heads)](
@@ -429,7 +434,7 @@ def paged_decode_triton(
             # the same for an eager step and a CUDA graph captured with more splits (both cut a context into
             # the same pieces, see _split_partition). With a width per count, bf16 greedy runs parted.
             BLOCK_SPLITS=max(_DECODE_MAX_SPLITS, triton.next_power_of_2(num_splits)), BLOCK_N=block_n,
-            HEAD_DIM=head_dim, num_warps=4,
+            HEAD_DIM=head_dim, num_warps=4, **pdl_options(q),
         )
     return out
 

@@ -8,6 +8,8 @@ try:
 except ImportError:  # the CPU engine imports the reference on machines without Triton
     triton = None
 
+from tinyvllm.ops.pdl import pdl_options, pdl_wait
+
 
 def embedding_ref(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """input_ids [T] int, weight [V, H] -> [T, H]."""
@@ -18,7 +20,9 @@ if triton is not None:
 
     # out[t, h0:h0+BLOCK] = weight[input_ids[t], h0:h0+BLOCK]; one program per (token, column tile).
     @triton.jit
-    def _embedding_kernel(out_ptr, ids_ptr, weight_ptr, hidden, stride_w, stride_out, BLOCK: tl.constexpr):
+    def _embedding_kernel(out_ptr, ids_ptr, weight_ptr, hidden, stride_w, stride_out, BLOCK: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+        pdl_wait(USE_PDL)
         token = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < hidden
@@ -37,5 +41,6 @@ def embedding_triton(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Ten
         return out.reshape(*input_ids.shape, hidden)
     block = min(triton.next_power_of_2(hidden), 1024)
     grid = (ids.shape[0], triton.cdiv(hidden, block))
-    _embedding_kernel[grid](out, ids, weight, hidden, weight.stride(0), out.stride(0), BLOCK=block)
+    _embedding_kernel[grid](out, ids, weight, hidden, weight.stride(0), out.stride(0), BLOCK=block,
+                            **pdl_options(weight))
     return out.reshape(*input_ids.shape, hidden)

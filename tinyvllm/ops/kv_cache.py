@@ -8,6 +8,8 @@ try:
 except ImportError:  # the CPU engine imports the reference on machines without Triton
     triton = None
 
+from tinyvllm.ops.pdl import pdl_options, pdl_wait
+
 
 def store_kv_ref(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -30,8 +32,9 @@ if triton is not None:
         stride_kt, stride_kh, stride_vt, stride_vh,
         stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
         num_kv_heads, block_size,
-        HEAD_DIM: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_HEADS: tl.constexpr, USE_PDL: tl.constexpr,
     ):
+        pdl_wait(USE_PDL)
         token = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         if slot >= 0:
@@ -66,4 +69,5 @@ def store_kv_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         num_kv_heads, k_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_HEADS=block_heads, num_warps=4 if block_heads * head_dim <= 2048 else 8,
+        **pdl_options(k_cache),
     )

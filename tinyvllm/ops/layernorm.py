@@ -8,6 +8,8 @@ try:
 except ImportError:  # the CPU engine imports the reference on machines without Triton
     triton = None
 
+from tinyvllm.ops.pdl import pdl_options, pdl_wait
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 and returned in x's dtype."""
@@ -34,8 +36,9 @@ if triton is not None:
     def _rms_norm_kernel(
         out_ptr, new_residual_ptr, x_ptr, residual_ptr, weight_ptr,
         num_rows, hidden, stride_x, stride_residual, stride_out, stride_new_residual, eps,
-        HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
     ):
+        pdl_wait(USE_PDL)
         rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
         cols = tl.arange(0, BLOCK)[None, :]
         mask = (rows < num_rows) & (cols < hidden)
@@ -83,6 +86,7 @@ def _launch_rms_norm(
             out, new_residual, x2, res2, weight,
             num_rows, hidden, x2.stride(0), res2.stride(0), out.stride(0), new_residual.stride(0), eps,
             HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK=triton.next_power_of_2(hidden), num_warps=num_warps,
+            **pdl_options(x2),
         )
     return out.reshape(x.shape), new_residual.reshape(x.shape)
 

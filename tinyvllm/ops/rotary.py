@@ -15,6 +15,8 @@ try:
 except ImportError:  # the CPU engine imports the reference on machines without Triton
     triton = None
 
+from tinyvllm.ops.pdl import pdl_options, pdl_wait
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies [head_dim/2]; Llama 3 stretches the low frequencies by `factor` and blends
@@ -113,8 +115,9 @@ if triton is not None:
     def _rotary_kernel(
         q_ptr, k_ptr, positions_ptr, cache_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_cache, num_q_heads, num_kv_heads,
-        HALF: tl.constexpr, BLOCK_Q_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr,
+        HALF: tl.constexpr, BLOCK_Q_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr, USE_PDL: tl.constexpr,
     ):
+        pdl_wait(USE_PDL)
         token = tl.program_id(0).to(tl.int64)
         cos, sin = _load_cos_sin(positions_ptr, cache_ptr, token, stride_cache, HALF)
         q = q_ptr + token * stride_qt
@@ -131,8 +134,9 @@ if triton is not None:
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cache,
         stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
         num_q_heads, num_kv_heads, block_size,
-        HALF: tl.constexpr, BLOCK_Q_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr,
+        HALF: tl.constexpr, BLOCK_Q_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr, USE_PDL: tl.constexpr,
     ):
+        pdl_wait(USE_PDL)
         token = tl.program_id(0).to(tl.int64)
         cos, sin = _load_cos_sin(positions_ptr, cache_ptr, token, stride_cache, HALF)
         q = q_ptr + token * stride_qt
@@ -167,7 +171,7 @@ def rotary_embedding_triton(
         q, k, positions.contiguous(), cos_sin_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), num_q_heads, k.shape[1],
         HALF=half, BLOCK_Q_HEADS=block_q, BLOCK_KV_HEADS=triton.next_power_of_2(k.shape[1]),
-        num_warps=4 if block_q * half <= 1024 else 8,
+        num_warps=4 if block_q * half <= 1024 else 8, **pdl_options(q),
     )
     return q, k
 
@@ -202,6 +206,6 @@ def rotary_embedding_and_store_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         num_q_heads, num_kv_heads, k_cache.shape[1],
         HALF=half, BLOCK_Q_HEADS=block_q, BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
-        num_warps=4 if block_q * half <= 1024 else 8,
+        num_warps=4 if block_q * half <= 1024 else 8, **pdl_options(q),
     )
     return q

@@ -10,6 +10,8 @@ try:
 except ImportError:  # the CPU engine imports the reference on machines without Triton
     triton = None
 
+from tinyvllm.ops.pdl import pdl_options, pdl_wait
+
 
 def sample_ref(
     logits: torch.Tensor,
@@ -67,8 +69,9 @@ if triton is not None:
     @triton.jit(do_not_specialize=["num_rows", "width", "stride_sorted"])  # vary per step: compile once
     def _top_k_top_p_cutoff_kernel(
         cutoff_ptr, sorted_ptr, temperature_ptr, top_k_ptr, top_p_ptr, num_rows, width, vocab, stride_sorted,
-        USE_TOP_P: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+        USE_TOP_P: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
     ):
+        pdl_wait(USE_PDL)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         row_mask = rows < num_rows
         base = sorted_ptr + rows.to(tl.int64)[:, None] * stride_sorted
@@ -132,7 +135,9 @@ if triton is not None:
         value_ptr, index_ptr, logits_ptr, cutoff_ptr, temperature_ptr, min_p_ptr, seeds_ptr,
         num_rows, vocab, stride_logits, chunk_size,
         HAS_CUTOFF: tl.constexpr, DEFER_MIN_P: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        pdl_wait(USE_PDL)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         row_mask = rows < num_rows
         chunk, num_chunks = tl.program_id(1), tl.num_programs(1)
@@ -182,7 +187,9 @@ if triton is not None:
         value_ptr, index_ptr, logits_ptr, cutoff_ptr, temperature_ptr, min_p_ptr, seeds_ptr,
         num_rows, vocab, stride_logits, chunk_size,
         HAS_CUTOFF: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        pdl_wait(USE_PDL)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         row_mask = rows < num_rows
         chunk, num_chunks = tl.program_id(1), tl.num_programs(1)
@@ -222,8 +229,9 @@ if triton is not None:
     @triton.jit(do_not_specialize=["num_rows", "num_chunks"])
     def _sample_reduce_kernel(
         out_ptr, value_ptr, index_ptr, temperature_ptr, num_rows, num_chunks,
-        ROWS: tl.constexpr, CHUNKS: tl.constexpr,
+        ROWS: tl.constexpr, CHUNKS: tl.constexpr, USE_PDL: tl.constexpr,
     ):
+        pdl_wait(USE_PDL)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         row_mask = rows < num_rows
         chunks = tl.arange(0, CHUNKS)[None, :]
@@ -299,7 +307,7 @@ def sample_triton(
         cutoff_block, rows = _tile(num_rows, width) if use_top_p else (16, 128)
         _top_k_top_p_cutoff_kernel[(triton.cdiv(num_rows, rows),)](
             cutoff, ordered, temperature, top_k, top_p, num_rows, width, vocab, ordered.stride(0),
-            USE_TOP_P=bool(use_top_p), ROWS=rows, BLOCK=cutoff_block, num_warps=8,
+            USE_TOP_P=bool(use_top_p), ROWS=rows, BLOCK=cutoff_block, num_warps=8, **pdl_options(logits),
         )
 
     chunk_size = min(chunk_size or _chunk_size(num_rows, vocab, logits.device), vocab)
@@ -315,6 +323,7 @@ def sample_triton(
     defer_min_p = use_min_p is not False
     _sample_chunk_kernel[grid](
         *args, HAS_CUTOFF=has_cutoff, DEFER_MIN_P=defer_min_p, ROWS=rows, BLOCK=block, num_warps=num_warps,
+        **pdl_options(logits),
     )
     # CHUNKS (a constexpr) sized for the most chunks any batch size gets, not this one's: otherwise each batch
     # size band would compile its own variant of the two kernels below, in the middle of a run.
@@ -322,10 +331,12 @@ def sample_triton(
     if defer_min_p:
         _min_p_race_kernel[grid](
             *args, HAS_CUTOFF=has_cutoff, ROWS=rows, BLOCK=block, CHUNKS=chunks_pow2, num_warps=num_warps,
+            **pdl_options(logits),
         )
     reduce_rows = max(1, 1024 // chunks_pow2)
     _sample_reduce_kernel[(triton.cdiv(num_rows, reduce_rows),)](
         out, values, indices, temperature, num_rows, num_chunks, ROWS=reduce_rows, CHUNKS=chunks_pow2, num_warps=4,
+        **pdl_options(logits),
     )
     return out
 

@@ -1,0 +1,54 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the Triton kernels.
+
+At batch 1 a decode step is about ten launch-bound kernels per layer, so the time between two kernels is
+part of the step's. A kernel launched with PDL may be scheduled while the kernel before it on the stream
+is still running: it waits (griddepcontrol.wait) for that kernel to finish, and for its writes to be
+visible, before touching memory, then lets the next kernel be scheduled in turn (launch_dependents).
+Because every kernel waits before its first load or store, results are those of plain launches; only
+the launch latency overlaps. TINYVLLM_PDL=0 turns it off (to measure it, or to rule it out)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU engine imports the references on machines without Triton
+    triton = None
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # no Triton, or one without grid dependency control
+    gdc_wait = gdc_launch_dependents = None
+
+_OFF: dict = {"USE_PDL": False}
+_ON: dict = {"USE_PDL": True, "launch_pdl": True}
+
+
+@functools.cache
+def _supported(device_index: int) -> bool:
+    if gdc_wait is None or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False  # the interpreter runs no PTX
+    if os.environ.get("TINYVLLM_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_options(t: torch.Tensor) -> dict:
+    """Launch options for a kernel taking a USE_PDL constexpr and starting with pdl_wait(USE_PDL):
+    PDL on a Hopper-or-later GPU, plain launches elsewhere."""
+    return _ON if t.is_cuda and _supported(t.device.index or 0) else _OFF
+
+
+pdl_wait = None
+if triton is not None:
+
+    @triton.jit
+    def pdl_wait(USE_PDL: tl.constexpr):
+        """The first statement of a PDL kernel: wait for the kernel before, then let the next one start."""
+        if USE_PDL:  # only ever True where gdc_wait was imported (pdl_options)
+            gdc_wait()
+            gdc_launch_dependents()
