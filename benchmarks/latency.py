@@ -82,12 +82,15 @@ def step_breakdown(llm, prompt_len: int, output_len: int) -> dict[str, float]:
     result = {name: v / steps * 1e3 for name, v in totals.items()}
     result["whole step"] = wall / steps * 1e3
     if runner.graphs:
+        import torch
+
         result["GPU: decode graph replay (16 layers)"] = cuda_ms(runner.graphs[1].replay, 100)
         hidden = runner.graph_outputs[:1]
         greedy = SamplingTensors(None, None, None, None, None, all_greedy=True, use_top_p=False, max_top_k=0,
                                  use_min_p=False)
-        result["GPU: LM head + greedy sampler"] = cuda_ms(
-            lambda: runner.sampler(runner.model.compute_logits(hidden), [], greedy), 100)
+        with torch.inference_mode():  # the engine's tensors are inference tensors
+            result["GPU: LM head + greedy sampler"] = cuda_ms(
+                lambda: runner.sampler(runner.model.compute_logits(hidden), [], greedy), 100)
     return result
 
 
