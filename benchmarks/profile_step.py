@@ -7,8 +7,11 @@
 2. The kernels of one eager decode step at batch 1 and 256 (torch.profiler, GPU time of each kernel),
    against the same step replayed as a CUDA graph (CUDA events): the difference is the time between
    kernels.
+3. The GPU's timeline over real engine steps (CUDA graphs, async scheduling, greedy) at batch 1: each step's
+   period split into the graph's kernels, the work launched outside the graph (input copies, LM head,
+   sampler, the tokens' copy to the host), and time the GPU sat idle, with what each idle gap preceded.
 
-    python benchmarks/profile_step.py [--json PATH]
+    python benchmarks/profile_step.py [--json PATH] [--timeline-only]
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ def bench_matmuls(batches: list[int]) -> list[dict]:
     return rows
 
 
-def decoding_llm(path: str, batch: int, context: int, **engine_args):
+def decoding_llm(path: str, batch: int, context: int, temperature: float = 0.6, **engine_args):
     """An engine with `batch` sequences of `context` prompt tokens, all past their prefill (decoding)."""
     from tinyvllm import LLM, SamplingParams
 
@@ -75,7 +78,7 @@ def decoding_llm(path: str, batch: int, context: int, **engine_args):
     engine = llm.llm_engine
     for i in range(batch):
         engine.add_request(str(i), [(7 * i + j) % 10000 for j in range(context)],
-                           SamplingParams(temperature=0.6, max_tokens=64, ignore_eos=True))
+                           SamplingParams(temperature=temperature, max_tokens=64, ignore_eos=True))
     while engine.scheduler.waiting or any(s.num_output_tokens < 2 for s in engine.scheduler.running):
         engine.step()
     return llm
@@ -130,6 +133,76 @@ def _group(name: str) -> str:
     return "other: " + name[:40]
 
 
+def engine_timeline(path: str, batch: int = 1, context: int = 128, steps: int = 20) -> dict:
+    """The GPU timeline of `steps` engine steps (graphs, async scheduling, greedy), from torch.profiler's
+    trace: device work is matched to the API call that launched it by correlation id, so a kernel is the
+    graph's when a cudaGraphLaunch launched it. A step runs from one graph's first kernel to the next's."""
+    import os
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = decoding_llm(path, batch, context, temperature=0.0)
+    engine = llm.llm_engine
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            events = json.load(f)["traceEvents"]
+    del llm, engine
+    torch.cuda.empty_cache()
+    launcher = {e["args"]["correlation"]: e["name"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                    key=lambda e: e["ts"])
+    in_graph = ["Graph" in launcher.get(e["args"].get("correlation"), "") for e in device]
+    starts = [i for i, g in enumerate(in_graph) if g and (i == 0 or not in_graph[i - 1])]
+    def label(e: dict) -> str:
+        return e["name"][:40] if "memcpy" in e.get("cat", "") else _group(e["name"])
+
+    periods, busy_graph, busy_outside, gaps_graph, idle = [], 0.0, 0.0, 0.0, 0.0
+    outside: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])  # launches, busy us, idle before
+    for first, nxt in zip(starts, starts[1:]):
+        periods.append(device[nxt]["ts"] - device[first]["ts"])
+        for i in range(first, nxt):
+            e, after = device[i], device[i + 1]
+            gap = max(0.0, after["ts"] - (e["ts"] + e["dur"]))
+            if in_graph[i]:
+                busy_graph += e["dur"]
+            else:
+                busy_outside += e["dur"]
+                outside[label(e)][0] += 1
+                outside[label(e)][1] += e["dur"]
+            if in_graph[i] and in_graph[i + 1] and i + 1 != nxt:
+                gaps_graph += gap  # between two kernels of one graph
+            else:
+                idle += gap
+                outside["next step's graph" if i + 1 == nxt else label(after)][2] += gap
+    n = max(len(periods), 1)
+    result = {"batch": batch, "steps": len(periods),
+              "period_us_median": sorted(periods)[len(periods) // 2] if periods else 0.0,
+              "graph_us": busy_graph / n, "gaps_in_graph_us": gaps_graph / n,
+              "outside_graph_us": busy_outside / n, "idle_outside_graph_us": idle / n,
+              "outside": {k: {"launches": v[0] / n, "busy_us": v[1] / n, "idle_before_us": v[2] / n}
+                          for k, v in outside.items()}}
+    print(f"\n  GPU timeline of {len(periods)} engine steps, batch {batch} (graphs, async, greedy): period "
+          f"{result['period_us_median']:.1f} us median. Per step: graph kernels {result['graph_us']:.1f} us "
+          f"+ gaps between them {result['gaps_in_graph_us']:.1f} us; outside the graph, work "
+          f"{result['outside_graph_us']:.1f} us + idle {result['idle_outside_graph_us']:.1f} us")
+    print("    outside the graph, per step:            launches   busy us   idle before us")
+    for name, row in sorted(result["outside"].items(), key=lambda kv: -(kv[1]["busy_us"] + kv[1]["idle_before_us"])):
+        print(f"      {name:<40} {row['launches']:5.1f} {row['busy_us']:9.1f} {row['idle_before_us']:12.1f}")
+    return result
+
+
 def graph_step_ms(path: str, batch: int, context: int) -> float:
     """GPU time of one decode step's graph (16 layers) at `batch`, by CUDA events."""
     import torch
@@ -149,18 +222,21 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
     parser.add_argument("--batches", default="1,256")
+    parser.add_argument("--timeline-only", action="store_true", help="only part 3, the engine's GPU timeline")
     args = parser.parse_args()
     path = random_llama_1b()
     result = {"commit": commit(), "gpu": gpu_name()}
     print(f"profile_step on {result['gpu']} at {result['commit']}")
-    print("matrix products (16 distinct weights per shape, CUDA graph):")
-    result["matmuls"] = bench_matmuls([1, 8, 64, 256])
-    result["steps"] = []
-    for batch in (int(b) for b in args.batches.split(",")):
-        context = 128 if batch == 1 else 512
-        eager = kernel_breakdown(path, batch, context)
-        eager["graph_replay_ms"] = graph_step_ms(path, batch, context)
-        result["steps"].append(eager)
+    result["timeline"] = engine_timeline(path)
+    if not args.timeline_only:
+        print("matrix products (16 distinct weights per shape, CUDA graph):")
+        result["matmuls"] = bench_matmuls([1, 8, 64, 256])
+        result["steps"] = []
+        for batch in (int(b) for b in args.batches.split(",")):
+            context = 128 if batch == 1 else 512
+            eager = kernel_breakdown(path, batch, context)
+            eager["graph_replay_ms"] = graph_step_ms(path, batch, context)
+            result["steps"].append(eager)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
