@@ -148,7 +148,9 @@ def engine_timeline(path: str, batch: int = 1, context: int = 128, steps: int = 
     for _ in range(3):
         engine.step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    # CUDA activity only (with the API calls that launch work): tracing every CPU op would slow the host
+    # until it, not the GPU, set the step's pace
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
