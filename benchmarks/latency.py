@@ -41,8 +41,8 @@ def hf_latency(path: str, prompt: list[int], output_len: int, static: bool) -> d
 
 def step_breakdown(llm, prompt_len: int, output_len: int) -> dict[str, float]:
     """Where a decode step's time goes: host time in each phase of LLMEngine.step (wrapped timers), and
-    the GPU time of one decode graph replay and of the LM head + the sampler's greedy path (CUDA events). With async
-    scheduling the phases of two steps interleave: a step launches the next batch, then waits for its
+    the GPU time of one decode graph replay and of the LM head + the sampler's greedy path (CUDA events).
+    With async scheduling the phases of two steps interleave: a step launches the next batch, then waits for its
     own tokens, so 'wait for the tokens' is the GPU time the host could not hide."""
 
     from tinyvllm import SamplingParams

@@ -167,6 +167,7 @@ def engine_timeline(path: str, batch: int = 1, context: int = 128, steps: int = 
                     key=lambda e: e["ts"])
     in_graph = ["Graph" in launcher.get(e["args"].get("correlation"), "") for e in device]
     starts = [i for i, g in enumerate(in_graph) if g and (i == 0 or not in_graph[i - 1])]
+
     def label(e: dict) -> str:
         return e["name"][:40] if "memcpy" in e.get("cat", "") else _group(e["name"])
 

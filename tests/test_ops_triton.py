@@ -46,6 +46,7 @@ def test_pdl_is_off_without_a_hopper_gpu() -> None:
     tests run under) get plain launches, with the kernels' USE_PDL branch compiled out."""
     assert pdl_options(torch.zeros(1)) == {"USE_PDL": False}
 
+
 _real_empty = torch.empty
 
 
