@@ -45,6 +45,8 @@ def step_breakdown(llm, prompt_len: int, output_len: int) -> dict[str, float]:
     With async scheduling the phases of two steps interleave: a step launches the next batch, then waits for its
     own tokens, so 'wait for the tokens' is the GPU time the host could not hide."""
 
+    import torch
+
     from tinyvllm import SamplingParams
     from tinyvllm.worker.sampler import AsyncSamplerOutput, SamplingTensors
 
@@ -82,12 +84,9 @@ def step_breakdown(llm, prompt_len: int, output_len: int) -> dict[str, float]:
     result = {name: v / steps * 1e3 for name, v in totals.items()}
     result["whole step"] = wall / steps * 1e3
     if runner.graphs:
-        import torch
-
         result["GPU: decode graph replay (16 layers)"] = cuda_ms(runner.graphs[1].replay, 100)
         hidden = runner.graph_outputs[:1]
-        greedy = SamplingTensors(None, None, None, None, None, all_greedy=True, use_top_p=False, max_top_k=0,
-                                 use_min_p=False)
+        greedy = SamplingTensors.greedy()
         with torch.inference_mode():  # the engine's tensors are inference tensors
             result["GPU: LM head + greedy sampler"] = cuda_ms(
                 lambda: runner.sampler(runner.model.compute_logits(hidden), [], greedy), 100)

@@ -314,8 +314,7 @@ class ModelRunner:
         flags = dict(any_penalties=bool(needs & _PENALTIES), any_logprobs=bool(needs & _LOGPROBS),
                      any_min_tokens=bool(needs & _MIN_TOKENS))
         if all_greedy:
-            sampling = SamplingTensors(None, None, None, None, None, all_greedy=True, use_top_p=False, max_top_k=0,
-                                       use_min_p=False, **flags)
+            sampling = SamplingTensors.greedy(**flags)
         else:
             active_k = ~greedy & (top_k > 0) & (top_k < self.model_config.vocab_size)
             sampling = SamplingTensors(*views[-5:], all_greedy=False, use_top_p=bool(((top_p < 1) & ~greedy).any()),

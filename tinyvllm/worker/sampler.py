@@ -62,6 +62,12 @@ class SamplingTensors:
     any_logprobs: bool = False
     any_min_tokens: bool = False
 
+    @classmethod
+    def greedy(cls, **flags: bool) -> SamplingTensors:
+        """Every row greedy: no per-row tensors (the sampler takes the argmax). `flags`: the any_* fields."""
+        return cls(None, None, None, None, None, all_greedy=True, use_top_p=False, max_top_k=0, use_min_p=False,
+                   **flags)
+
 
 @dataclass
 class SamplerOutput:
