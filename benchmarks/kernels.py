@@ -52,6 +52,7 @@ from tinyvllm.ops.layernorm import (  # noqa: E402
     rms_norm_ref,
     rms_norm_triton,
 )
+from tinyvllm.ops.pdl import pdl_options, pdl_wait  # noqa: E402
 from tinyvllm.ops.rotary import build_cos_sin_cache, rotary_embedding_ref, rotary_embedding_triton  # noqa: E402
 from tinyvllm.ops.sampling import sample_ref, sample_triton  # noqa: E402
 
@@ -353,8 +354,10 @@ def sweep_prefill() -> None:
 
 
 @triton.jit
-def _copy_rows_kernel(out_ptr, x_ptr, num_rows, hidden, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """RMSNorm's memory traffic without its arithmetic (same grid and tiles): what the launch shape costs."""
+def _copy_rows_kernel(out_ptr, x_ptr, num_rows, hidden, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                      USE_PDL: tl.constexpr):
+    """RMSNorm's memory traffic without its arithmetic (same grid, tiles and launch): what the shape costs."""
+    pdl_wait(USE_PDL)
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
     mask = (rows < num_rows) & (cols < hidden)
@@ -379,7 +382,7 @@ def _sweep_rms_norm_at(tokens: int) -> None:
         alone = 2 * size / bench(lambda c=config: _launch_rms_norm(x, None, weight, 1e-5, c)) / 1e6
         fused = 4 * size / bench(lambda c=config: _launch_rms_norm(x, residual, weight, 1e-5, c)) / 1e6
         copy = 2 * size / bench(lambda r=config[0], w=config[1]: _copy_rows_kernel[(triton.cdiv(tokens, r),)](
-            out, x, tokens, HIDDEN, ROWS=r, BLOCK=HIDDEN, num_warps=w)) / 1e6
+            out, x, tokens, HIDDEN, ROWS=r, BLOCK=HIDDEN, num_warps=w, **pdl_options(x))) / 1e6
         print(f"  {config}: {alone:.0f} / {fused:.0f} / {copy:.0f}", flush=True)
 
 
