@@ -55,7 +55,7 @@ if triton is not None:
 
 
 def rms_norm_config(num_rows: int, hidden: int) -> tuple[int, int]:
-    """(ROWS per program, num_warps): one row, a warp per 512 columns. benchmarks/kernels.py --sweep on the
+    """(ROWS per program, num_warps): one row, a warp per 512 columns. benchmarks/bench_kernels.py --sweep on the
     H200 (hidden 2048): 4 warps led at 16k and 64k rows (83% and 96% of the copy ceiling alone, as fast as a
     plain copy with the same grid); 8 was within 3%, 16 lost 10-30%; more rows per program gained nothing."""
     block = triton.next_power_of_2(hidden)

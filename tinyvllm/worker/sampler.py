@@ -19,7 +19,7 @@ from tinyvllm.outputs import Logprob
 _MASK64 = (1 << 63) - 1
 # Up to this many all-greedy rows, our sampling kernel's argmax (split over the vocabulary) beats torch.argmax:
 # at batch 1, in a CUDA graph, the kernel took 7.1 us with sampling and torch.argmax 26.6 us; at 64 rows
-# argmax was faster, 46 us to 83 (benchmarks/kernels.py, H200, 2026-12-03).
+# argmax was faster, 46 us to 83 (benchmarks/bench_kernels.py, H200, 2026-12-03).
 _KERNEL_GREEDY_MAX_ROWS = 8
 _SEED_MULTIPLIERS = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 

@@ -8,7 +8,7 @@
 - sampling at vocabulary 128256, batch 1/64/256 (greedy, temperature, top-k/top-p/min-p, with and without
   the engine's hints, eager and in a CUDA graph): microseconds vs sample_ref or torch.argmax.
 
-    python benchmarks/kernels.py [--quick] [--sweep [prefill|decode|rms_norm] [--sweep-only]]
+    python benchmarks/bench_kernels.py [--quick] [--sweep [prefill|decode|rms_norm] [--sweep-only]]
 
 --sweep also times alternative launch configurations: attention tiles, warps, stages and splits; RMSNorm
 rows per program and warps beside a copy with the same grid; without --quick, sampling chunk sizes.
@@ -420,7 +420,7 @@ def main() -> int:
     args = parser.parse_args()
     QUICK = args.quick
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
+        print("benchmarks/bench_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
