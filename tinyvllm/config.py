@@ -14,6 +14,28 @@ class ConfigError(ValueError):
     """A model or engine setting that we cannot run, with a message that says why."""
 
 
+# Architecture names (config.json's `architectures`, GGUF's `general.architecture`) of the Llama family, which
+# share one implementation -> its canonical name. The table lives here, not in model/registry (canonical name ->
+# class), so that reading a config never imports a model: the models import this module.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "LlamaForCausalLM",
+    "llama": "LlamaForCausalLM",
+}
+
+
+class UnsupportedArchitectureError(ConfigError):
+    """A model of an architecture tinyvllm has no implementation for."""
+
+
+def check_architecture(name: str) -> str:
+    """The canonical architecture name, or an error that lists the ones we support."""
+    if name not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"architecture {name!r} is not supported; tinyvllm runs: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+    return SUPPORTED_ARCHITECTURES[name]
+
+
 @dataclass
 class ModelConfig:
     """The architecture of a Llama-family model, read from config.json or from GGUF metadata."""
@@ -62,8 +84,6 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
-        from tinyvllm.model.registry import check_architecture
-
         architectures = hf.get("architectures") or ["LlamaForCausalLM"]
         architecture = check_architecture(architectures[0])
         num_heads = hf["num_attention_heads"]

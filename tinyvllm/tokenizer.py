@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from tinyvllm.model.gguf_loader import gguf_cache_dir
 from tinyvllm.model.loader import ModelLoadError, is_gguf
 
 
@@ -15,8 +16,6 @@ def load_tokenizer(path: str) -> Any:
     Building a tokenizer from GGUF metadata takes transformers ~20 s (it converts 49k merges in
     Python), so the result is saved once beside the GGUF's other converted files (see gguf_loader)."""
     from transformers import AutoTokenizer
-
-    from tinyvllm.model.gguf_loader import gguf_cache_dir
 
     if not is_gguf(path):
         try:

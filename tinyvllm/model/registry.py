@@ -1,33 +1,20 @@
-"""Architecture name (config.json's `architectures`, GGUF's `general.architecture`) -> model class."""
+"""Canonical architecture name -> model class. The names and their aliases live in tinyvllm.config
+(`check_architecture`), which reads configs without importing any model; they are re-exported here."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import torch.nn as nn
 
-if TYPE_CHECKING:
-    import torch.nn as nn
+from tinyvllm.config import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError, check_architecture
+from tinyvllm.model.llama import LlamaForCausalLM
 
-# Names of the Llama family that share one implementation.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "LlamaForCausalLM",
-    "llama": "LlamaForCausalLM",
-}
-
-
-class UnsupportedArchitectureError(ValueError):
-    pass
-
-
-def check_architecture(name: str) -> str:
-    """The canonical architecture name, or an error that lists the ones we support."""
-    if name not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedArchitectureError(
-            f"architecture {name!r} is not supported; tinyvllm runs: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-        )
-    return SUPPORTED_ARCHITECTURES[name]
+MODEL_CLASSES: dict[str, type[nn.Module]] = {"LlamaForCausalLM": LlamaForCausalLM}
 
 
 def model_class(name: str) -> type[nn.Module]:
-    from tinyvllm.model.llama import LlamaForCausalLM
+    """The class that implements architecture `name` (any alias check_architecture accepts)."""
+    return MODEL_CLASSES[check_architecture(name)]
 
-    return {"LlamaForCausalLM": LlamaForCausalLM}[check_architecture(name)]
+
+__all__ = ["MODEL_CLASSES", "SUPPORTED_ARCHITECTURES", "UnsupportedArchitectureError", "check_architecture",
+           "model_class"]
