@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -68,63 +69,129 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dir(cls, path: str) -> ModelConfig:
+        """The config of a Hugging Face model directory: config.json, and generation_config.json's EOS tokens
+        (which chat models often list only there)."""
         config_path = os.path.join(path, "config.json")
         if not os.path.isfile(config_path):
             raise ConfigError(f"{path} has no config.json: a model directory needs config.json and *.safetensors")
-        with open(config_path) as f:
-            hf = json.load(f)
-        config = cls.from_hf_dict(hf)
+        config = cls.from_hf_dict(_read_json_object(config_path), source=config_path)
         generation_path = os.path.join(path, "generation_config.json")
         if os.path.isfile(generation_path):
-            with open(generation_path) as f:
-                eos = json.load(f).get("eos_token_id")
+            eos = _read_json_object(generation_path).get("eos_token_id")
             if eos is not None:
-                config.eos_token_ids = _as_list(eos)
+                config.eos_token_ids = _token_ids(eos, generation_path)
         return config
 
     @classmethod
-    def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
+    def from_hf_dict(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """The config from a parsed config.json. Every error is a ConfigError whose message starts with
+        `source` (the file's path) and names the field, so that a broken file reads as one line to fix."""
+        try:
+            return cls._from_hf_dict(hf, source)
+        except ConfigError as e:
+            raise type(e)(f"{source}: {e}") from None
+
+    @classmethod
+    def _from_hf_dict(cls, hf: dict[str, Any], source: str) -> ModelConfig:
         architectures = hf.get("architectures") or ["LlamaForCausalLM"]
+        if isinstance(architectures, str):
+            architectures = [architectures]
+        if not isinstance(architectures, list) or not isinstance(architectures[0], str):
+            raise ConfigError(f"'architectures' must be a list of class names, not {architectures!r}")
         architecture = check_architecture(architectures[0])
-        num_heads = hf["num_attention_heads"]
-        hidden = hf["hidden_size"]
+        num_heads = _positive_int(hf, "num_attention_heads")
+        hidden = _positive_int(hf, "hidden_size")
         # transformers 5 moved rope_theta/rope_scaling into rope_parameters.
-        rope = dict(hf.get("rope_parameters") or {})
-        rope_theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope = hf.get("rope_parameters") or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"'rope_parameters' must be an object, not {rope!r}")
+        rope_theta = _number(hf, "rope_theta", _number(rope, "rope_theta", 10000.0))
         scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         if scaling is not None:
+            if not isinstance(scaling, dict):
+                raise ConfigError(f"'rope_scaling' must be an object, not {scaling!r}")
             scaling = dict(scaling)
             kind = scaling.get("rope_type", scaling.get("type", "default"))
             if kind not in ("default", "llama3"):
                 raise ConfigError(f"rope scaling type {kind!r} is not supported (supported: default, llama3)")
             scaling = scaling if kind == "llama3" else None
         dtype_name = hf.get("torch_dtype", hf.get("dtype", "float32")) or "float32"
+        bos = hf.get("bos_token_id")
+        if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int)):
+            raise ConfigError(f"'bos_token_id' must be a token id, not {bos!r}")
         return cls(
             architecture=architecture,
-            vocab_size=hf["vocab_size"],
+            vocab_size=_positive_int(hf, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
+            intermediate_size=_positive_int(hf, "intermediate_size"),
+            num_layers=_positive_int(hf, "num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hidden // num_heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
-            rope_theta=float(rope_theta),
+            num_kv_heads=_positive_int(hf, "num_key_value_heads", num_heads),
+            head_dim=_positive_int(hf, "head_dim", hidden // num_heads),
+            rms_norm_eps=_number(hf, "rms_norm_eps", 1e-5),
+            rope_theta=rope_theta,
             rope_scaling=scaling,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            max_position_embeddings=_positive_int(hf, "max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             dtype=getattr(torch, str(dtype_name).replace("torch.", ""), torch.float32),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=_as_list(hf.get("eos_token_id")),
+            bos_token_id=bos,
+            eos_token_ids=_token_ids(hf.get("eos_token_id")),
         )
 
 
-def _as_list(value: int | list[int] | None) -> list[int]:
+_REQUIRED: Any = object()
+
+
+def _read_json_object(path: str) -> dict[str, Any]:
+    """The JSON object in `path`, or a one-line ConfigError naming the file and, for bad JSON, where it
+    breaks (a JSONDecodeError traceback does not say which of a model's files is broken)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}; "
+                          "fix the file or copy it again from the model's source") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}): it should be a JSON file") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} holds a JSON {type(data).__name__}, not an object of settings")
+    return data
+
+
+def _positive_int(hf: dict[str, Any], key: str, default: Any = _REQUIRED) -> Any:
+    """hf[key] as a positive integer. Without a default the field is required; with one, an absent, null or
+    0 field takes the default (as `hf.get(key) or default` did)."""
+    value = hf.get(key)
+    if value is None or (value == 0 and default is not _REQUIRED):
+        if default is _REQUIRED:
+            raise ConfigError(f"field {key!r} is missing, and the model needs it: add it "
+                              "(the model's original config.json has it)")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"field {key!r} must be a positive integer, not {value!r}")
+    return value
+
+
+def _number(hf: dict[str, Any], key: str, default: float) -> float:
+    value = hf.get(key)
     if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"field {key!r} must be a number, not {value!r}")
+    return float(value)
+
+
+def _token_ids(value: Any, source: str | None = None) -> list[int]:
+    """eos_token_id (one id or a list of ids) as a list."""
+    ids = value if isinstance(value, list) else [] if value is None else [value]
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        where = f"{source}: " if source else ""
+        raise ConfigError(f"{where}'eos_token_id' must be a token id or a list of them, not {value!r}")
+    return list(ids)
 
 
 def check_tensor_parallel_size(config: ModelConfig, tensor_parallel_size: int, device_type: str = "cpu",
@@ -186,6 +253,16 @@ class EngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be a positive integer, not {self.tensor_parallel_size!r}")
 
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """The config from engine arguments (LLM(...)'s keywords). A misspelled name is a ConfigError that
+        suggests the closest real one, where the dataclass would raise a TypeError that lists nothing."""
+        names = [f.name for f in fields(cls)]
+        unknown = [key for key in kwargs if key not in names]
+        if unknown:
+            raise ConfigError("; ".join(_unknown_argument(key, names) for key in unknown))
+        return cls(**kwargs)
+
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -207,3 +284,10 @@ class EngineConfig:
         if self.dtype not in names:
             raise ConfigError(f"dtype must be one of auto, {', '.join(names)}; not {self.dtype!r}")
         return names[self.dtype]
+
+
+def _unknown_argument(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    if close:
+        return f"unknown engine argument {name!r}; did you mean {close[0]!r}?"
+    return f"unknown engine argument {name!r}; the engine arguments are: {', '.join(known)}"

@@ -19,7 +19,7 @@ class LLM:
     """An engine for offline batched generation. `model=None` runs the embedded SmolLM2-135M-Instruct."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
         self._request_ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
