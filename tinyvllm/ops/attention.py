@@ -373,12 +373,12 @@ def paged_prefill_triton(
 
 
 # Tokens: the shortest piece a split gets (one 64-key tile). At batch 1, where a few programs walk each context
-# serially, more splits win (bench_kernels.py --sweep decode, H200, 2026-12-03, 53a36af): ctx 256 ran at 90 GB/s with
-# one split and 104 with four, ctx 384 at 114 with two and 129 with four, ctx 512 at 134 with two and 197 with
-# eight. Large batches are unaffected (the program target below caps them at one split).
+# serially, more and shorter splits read the KV faster than a few long ones; large batches are unaffected (the
+# program target below caps them at one split). The sweep in benchmarks/bench_kernels.py (--sweep decode) chose
+# this; figures in benchmarks/RESULTS.md.
 _DECODE_MIN_PARTITION = 64
-# About 4 programs per SM of an H100/H200. benchmarks/bench_kernels.py --sweep (2026-12-03): batch 64 x 2048 tokens
-# ran at 3,609 GB/s with one split (512 programs) against 2,980 with the two that a target of 1024 gave.
+# About 4 programs per SM of an H100/H200: at batch 64 one split (512 programs) beat the two that a target of 1024
+# gave. The same sweep chose this; figures in benchmarks/RESULTS.md.
 _DECODE_TARGET_PROGRAMS = 512
 _DECODE_MAX_SPLITS = 64  # the combine kernel holds all splits of a head in registers
 

@@ -55,9 +55,9 @@ if triton is not None:
 
 
 def rms_norm_config(num_rows: int, hidden: int) -> tuple[int, int]:
-    """(ROWS per program, num_warps): one row, a warp per 512 columns. benchmarks/bench_kernels.py --sweep on the
-    H200 (hidden 2048): 4 warps led at 16k and 64k rows (83% and 96% of the copy ceiling alone, as fast as a
-    plain copy with the same grid); 8 was within 3%, 16 lost 10-30%; more rows per program gained nothing."""
+    """(ROWS per program, num_warps): one row, a warp per 512 columns. The sweep in benchmarks/bench_kernels.py
+    (--sweep rms_norm: rows per program x warps, beside a copy kernel with the same grid) chose this at hidden
+    2048, where the norm then runs as fast as that copy; figures in benchmarks/RESULTS.md."""
     block = triton.next_power_of_2(hidden)
     return 1, min(max(block // 512, 1), 16)
 

@@ -5,7 +5,7 @@ part of the step's. A kernel launched with PDL may be scheduled while the kernel
 is still running: it waits (griddepcontrol.wait) for that kernel to finish, and for its writes to be
 visible, before touching memory, then lets the next kernel be scheduled in turn (launch_dependents).
 Because every kernel waits before its first load or store, results are those of plain launches; only
-the launch latency overlaps: on the H200 the batch-1 decode graph went from 0.952 to 0.871 ms (RESULTS.md).
+the launch latency overlaps, which shortens a batch-1 decode graph (figures, PDL on and off: benchmarks/RESULTS.md).
 cuBLAS kernels launch as before. TINYVLLM_PDL=0 turns it off (to measure it, or to rule it out)."""
 
 from __future__ import annotations
