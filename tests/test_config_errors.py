@@ -85,3 +85,21 @@ def test_unknown_engine_argument_lists_the_known_ones():
 
 def test_from_kwargs_builds_the_same_config():
     assert EngineConfig.from_kwargs(max_num_seqs=8, device="cpu") == EngineConfig(max_num_seqs=8, device="cpu")
+
+
+def test_gguf_without_a_needed_field_names_it(tmp_path, monkeypatch):
+    import gguf
+
+    from tinyvllm.model.checkpoint import ModelLoadError
+    from tinyvllm.model.loader import load_model_config
+
+    path = str(tmp_path / "m.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_embedding_length(8)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    monkeypatch.setenv("TINYVLLM_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(ModelLoadError, match=r"m\.gguf: the GGUF metadata lacks llama\.attention\.head_count,"):
+        load_model_config(path)

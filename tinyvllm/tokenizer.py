@@ -4,17 +4,19 @@ incrementally."""
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
-from tinyvllm.model.gguf_loader import gguf_cache_dir
+from tinyvllm.model.gguf_loader import conversion_progress, gguf_cache_dir, remove_partial
 from tinyvllm.model.loader import ModelLoadError, is_gguf
 
 
 def load_tokenizer(path: str) -> Any:
     """AutoTokenizer for a model directory, or the tokenizer built from a GGUF file's metadata.
 
-    Building a tokenizer from GGUF metadata takes transformers ~20 s (it converts 49k merges in
-    Python), so the result is saved once beside the GGUF's other converted files (see gguf_loader)."""
+    Building a tokenizer from GGUF metadata takes transformers 5-20 s (it converts 49k merges in
+    Python), so the result is saved once beside the GGUF's other converted files, in the cache entry
+    keyed by the file's content (see gguf_loader.gguf_cache_dir)."""
     from transformers import AutoTokenizer
 
     if not is_gguf(path):
@@ -23,15 +25,24 @@ def load_tokenizer(path: str) -> Any:
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}") from e
     cached = os.path.join(gguf_cache_dir(path), "tokenizer")
+    broken = False
     if os.path.isfile(os.path.join(cached, "tokenizer.json")):
-        return AutoTokenizer.from_pretrained(cached)
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        try:
+            return AutoTokenizer.from_pretrained(cached)
+        except (OSError, ValueError):
+            broken = True  # damaged, or saved by a transformers this one cannot read: convert again
+    with conversion_progress(f"Converting {os.path.basename(path)}: tokenizer"):
+        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    tmp = f"{cached}.tmp{os.getpid()}"
     try:
-        tmp = f"{cached}.tmp{os.getpid()}"
         tokenizer.save_pretrained(tmp)
+        if broken:
+            shutil.rmtree(cached)  # os.replace cannot replace a non-empty directory
         os.replace(tmp, cached)  # atomic: a concurrent reader sees all of it or nothing
     except OSError:
-        pass  # a read-only home only costs the conversion next time
+        pass  # a read-only home, or another process saved it first: only costs the conversion next time
+    finally:
+        remove_partial(tmp)
     return tokenizer
 
 

@@ -3,9 +3,10 @@
 llama.cpp's converter permutes the rows of Q and K so that its rotary kernel can rotate adjacent
 pairs; we undo that permutation and keep Hugging Face's rotate-half layout.
 
-Parsing a GGUF's metadata takes `gguf` ~9 s for a 49k-token vocabulary and dequantizing a few more,
-so the first load writes the config and the dequantized tensors to ~/.cache/tinyvllm (keyed by the
-file's path, size and mtime) and later loads read those instead."""
+Parsing a GGUF's metadata takes `gguf` 3-9 s for a 49k-token vocabulary and dequantizing a few more,
+so the first load writes the config and the dequantized tensors to ~/.cache/tinyvllm and later loads
+read those instead. The cache is keyed by the file's content (gguf_cache_key), so that every checkout,
+venv or copy of one GGUF shares one entry (~0.5 GB for the embedded model)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,16 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
 import numpy as np
 import torch
 
-from tinyvllm.config import ModelConfig, check_architecture
+from tinyvllm.config import ConfigError, ModelConfig, check_architecture
 from tinyvllm.model.checkpoint import ModelLoadError, iter_safetensors_file
 
 # ggml tensor type names we dequantize (all are handled by gguf.quants).
@@ -43,16 +46,37 @@ _LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
+# Bump when what a cache entry holds changes (its files, the config's fields, tensor names or layout): the
+# entry is keyed by content, so every version of tinyvllm would otherwise read what another one wrote.
+CACHE_FORMAT = 1
+# The key hashes this much from the start, the middle and the end of the file.
+_KEY_CHUNK = 1 << 20
+_REQUIRED: Any = object()
+
+
+@contextmanager
+def conversion_progress(desc: str) -> Iterator[None]:
+    """A progress line around one slow step of a GGUF's first load that reports no progress of its own
+    (gguf parsing the metadata, transformers converting the tokenizer): without it the first load is
+    many seconds of silence. It shows `desc` at once and the time taken when the step ends."""
+    from tqdm.auto import tqdm
+
+    with tqdm(total=1, desc=desc, bar_format="{desc}: {elapsed}", dynamic_ncols=True) as bar:
+        yield
+        bar.update(1)
+
+
 @lru_cache(maxsize=4)
 def _reader(path: str) -> Any:
     try:
         import gguf
     except ImportError as e:
         raise ModelLoadError("reading GGUF files needs the `gguf` package: pip install gguf") from e
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # gguf raises ValueError, struct.error, ... on a damaged file
-        raise ModelLoadError(f"cannot read {path}: not a valid GGUF file ({e})") from e
+    with conversion_progress(f"Converting {os.path.basename(path)}: reading metadata"):
+        try:
+            return gguf.GGUFReader(path)
+        except Exception as e:  # gguf raises ValueError, struct.error, ... on a damaged file
+            raise ModelLoadError(f"cannot read {path}: not a valid GGUF file ({e})") from e
 
 
 def gguf_metadata(path: str) -> dict[str, Any]:
@@ -62,58 +86,112 @@ def gguf_metadata(path: str) -> dict[str, Any]:
     return {key: field.contents() for key, field in reader.fields.items() if key not in skip}
 
 
+def gguf_cache_root() -> str:
+    """$TINYVLLM_CACHE_DIR, else $XDG_CACHE_HOME/tinyvllm, else ~/.cache/tinyvllm."""
+    return os.environ.get("TINYVLLM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tinyvllm")
+
+
+def gguf_cache_key(path: str) -> str:
+    """A key for the file's content: a SHA-256 of its size and of its first, middle and last MiB (all of a
+    file of up to 3 MiB), so that the same GGUF at another path, in another checkout or venv, or with
+    another mtime finds the same cache entry, and reading 3 MiB costs milliseconds where hashing a
+    multi-GB model would cost seconds on every load. Different models differ in those chunks (metadata
+    and tensor data); a file edited in place outside them, at the same size, keeps its key: delete its
+    entry (gguf_cache_dir) then. CACHE_FORMAT is part of the key."""
+    try:
+        size = os.path.getsize(path)
+        digest = hashlib.sha256(f"tinyvllm-gguf-cache-v{CACHE_FORMAT}:{size}".encode())
+        with open(path, "rb") as f:
+            for offset in (0, max(0, (size - _KEY_CHUNK) // 2), max(0, size - _KEY_CHUNK)):
+                f.seek(offset)
+                digest.update(f.read(_KEY_CHUNK))
+    except OSError as e:
+        raise ModelLoadError(f"cannot read {path}: {e.strerror}") from e
+    return digest.hexdigest()[:20]
+
+
 def gguf_cache_dir(path: str) -> str:
-    """Where the conversion of this GGUF file (config, tensors, tokenizer) is kept."""
-    root = os.environ.get("TINYVLLM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tinyvllm")
-    stat = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return os.path.join(root, f"{os.path.basename(path)}-{key}")
+    """Where the conversion of this GGUF file (config, tensors, tokenizer) is kept: one directory per
+    content (see gguf_cache_key) under gguf_cache_root()."""
+    return os.path.join(gguf_cache_root(), f"gguf-{gguf_cache_key(path)}")
 
 
-def _write_cache_file(path: str, write: Any) -> None:
-    """Write atomically (a temp file then a rename); a read-only cache only costs time later."""
+def _write_cache_file(path: str, write: Callable[[str], object]) -> None:
+    """Write atomically (a temp file then a rename), so that a concurrent or interrupted load never sees
+    half a file; a read-only or full cache only costs a conversion next time."""
+    tmp = f"{path}.tmp{os.getpid()}"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
         write(tmp)
         os.replace(tmp, path)
     except OSError:
-        pass
+        remove_partial(tmp)
+
+
+def remove_partial(tmp: str) -> None:
+    """Remove a half-written cache file or directory, if there is one."""
+    if os.path.isdir(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+    elif os.path.lexists(tmp):
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def gguf_model_config(path: str) -> ModelConfig:
+    """The model's config: from the cache, or read from the GGUF's metadata and cached."""
     cached = os.path.join(gguf_cache_dir(path), "tinyvllm_config.json")
     if os.path.isfile(cached):
-        with open(cached) as f:
-            fields = json.load(f)
-        return ModelConfig(**{**fields, "dtype": torch.float32})
+        try:
+            with open(cached, encoding="utf-8") as f:
+                return ModelConfig(**{**json.load(f), "dtype": torch.float32})
+        except (OSError, ValueError, TypeError):
+            pass  # damaged, or fields another version of tinyvllm wrote: read the metadata again
     config = _read_gguf_config(path)
     fields = {k: v for k, v in dataclasses.asdict(config).items() if k != "dtype"}
-    _write_cache_file(cached, lambda tmp: open(tmp, "w").write(json.dumps(fields)))
+    _write_cache_file(cached, lambda tmp: _write_text(tmp, json.dumps(fields)))
     return config
 
 
 def _read_gguf_config(path: str) -> ModelConfig:
     meta = gguf_metadata(path)
     arch = meta.get("general.architecture", "?")
-    check_architecture(arch)
+    try:
+        architecture = check_architecture(arch)
+    except ConfigError as e:
+        raise type(e)(f"{path}: {e}") from None
 
-    def get(key: str, default: Any = None) -> Any:
-        return meta.get(f"{arch}.{key}", default)
+    def get(key: str, default: Any = _REQUIRED) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is _REQUIRED:
+            raise ModelLoadError(f"{path}: the GGUF metadata lacks {arch}.{key}, which the model needs "
+                                 "(the file is incomplete, or was not written by llama.cpp's converter)")
+        return value
 
     reader = _reader(path)
     tensor_names = {t.name for t in reader.tensors}
     num_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
-    vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = get("vocab_size", None)
+    if vocab is None:
+        if "tokenizer.ggml.tokens" not in reader.fields:
+            raise ModelLoadError(f"{path}: the GGUF metadata has neither {arch}.vocab_size nor a tokenizer "
+                                 "vocabulary, so the model's vocabulary size is unknown")
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     scaling = None
     if "rope_freqs.weight" in tensor_names:
         factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         scaling = {"rope_type": "freq_factors", "freq_factors": np.asarray(factors.data, np.float32).tolist()}
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
     return ModelConfig(
-        architecture=check_architecture(arch),
+        architecture=architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -150,8 +228,19 @@ def iter_gguf_tensors(path: str, config: ModelConfig, lazy: bool = False) -> Ite
     if os.path.isfile(cached):
         yield from load_file(cached).items()
         return
-    tensors = {name: torch.from_numpy(array) for name, array in _dequantize_all(path, config)}
-    _write_cache_file(cached, lambda tmp: save_file(tensors, tmp))
+    from tqdm.auto import tqdm
+
+    reader = _reader(path)
+    tensors = {}
+    with tqdm(total=len(reader.tensors) + 1, desc=f"Converting {os.path.basename(path)}: tensors",
+              unit="tensor", dynamic_ncols=True) as bar:
+        for name, array in _dequantize_all(path, config):
+            tensors[name] = torch.from_numpy(array)
+            bar.update(1)
+        bar.set_postfix_str("saving")
+        _write_cache_file(cached, lambda tmp: save_file(tensors, tmp))
+        bar.set_postfix_str("")
+        bar.update(bar.total - bar.n)
     yield from tensors.items()
 
 
