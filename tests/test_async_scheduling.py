@@ -47,16 +47,11 @@ def generate(checkpoint, prompts, params, async_scheduling, overlaps=None, **kwa
     """Outputs and engine; checks the pool is whole and whether steps overlapped (default: iff async)."""
     llm = tiny_llm(checkpoint, async_scheduling=async_scheduling, **kwargs)
     engine = llm.llm_engine
-    prepare, overlapped_steps = engine.model_runner.prepare, []
-
-    def counting_prepare(batch, prev=None):
-        overlapped_steps.append(any(s.num_pending for s in batch.seqs))
-        return prepare(batch, prev)
-
-    engine.model_runner.prepare = counting_prepare
+    overlapped_steps = []
+    engine.add_step_callback(lambda stats: overlapped_steps.append(stats.num_inputs_in_flight > 0))
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    engine.block_manager.check_whole()
-    assert not engine.scheduler.running and not engine.scheduler.waiting
+    engine.engine_core.block_manager.check_whole()
+    assert not engine.engine_core.scheduler.running and not engine.engine_core.scheduler.waiting
     # With async scheduling most steps take some input token from the step still in flight.
     overlaps = async_scheduling if overlaps is None else overlaps
     assert (sum(overlapped_steps) > len(overlapped_steps) // 2) == overlaps
@@ -79,7 +74,7 @@ def test_async_equals_sync(checkpoint, workload, config):
     overlapped, engine = generate(checkpoint, prompts, params, True, **CONFIGS[config])
     assert overlapped == sync
     if config == "preempting":
-        assert engine.scheduler.num_preemptions >= 1
+        assert engine.engine_core.scheduler.num_preemptions >= 1
 
 
 def test_n_and_shared_prefixes(checkpoint):
@@ -112,7 +107,7 @@ def test_abort_while_a_step_is_in_flight(checkpoint, workload):
     finals = {}
     for step in range(200):
         if step == 4:
-            assert engine._in_flight is not None  # the abort lands while a step is on the device
+            assert engine.engine_core.has_step_in_flight  # the abort lands while a step is on the device
             assert engine.abort_request("doomed")
         for out in engine.step():
             assert out.request_id != "doomed" or step < 4
@@ -122,7 +117,7 @@ def test_abort_while_a_step_is_in_flight(checkpoint, workload):
             break
     engine.step()  # drains what was still in flight: nothing to report
     assert summary([finals[str(i)] for i in range(4)]) == expected
-    engine.block_manager.check_whole()
+    engine.engine_core.block_manager.check_whole()
 
 
 def test_streamed_deltas_add_up(checkpoint, workload):
@@ -147,7 +142,7 @@ def test_stop_strings_with_async_scheduling(tiny_text_checkpoint):
         llm = LLM(tiny_text_checkpoint, device="cpu", num_kv_blocks=128, async_scheduling=flag)
         results.append([(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason)
                         for o in llm.generate(prompts, params, use_tqdm=False)])
-        llm.llm_engine.block_manager.check_whole()
+        llm.llm_engine.engine_core.block_manager.check_whole()
     assert results[0] == results[1]
 
 
@@ -157,9 +152,9 @@ def test_the_model_runner_rows_of_finished_sequences_are_reused(checkpoint, asyn
     freed. Here one request finishes a step before the other's last token is pending, so that with async
     scheduling the next batch is empty: the freed row must still come back (with the batch after)."""
     llm = tiny_llm(checkpoint, async_scheduling=async_scheduling, num_kv_blocks=256, max_num_seqs=4)
-    runner = llm.llm_engine.model_runner
+    batch = llm.llm_engine.engine_core.model_runner.input_batch
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 4)]
     for _ in range(6):
         llm.generate([[5, 6, 7], [8, 9, 10, 11]], params, use_tqdm=False)
-        assert len(runner._rows) <= 2  # this round's, until the next round's first batch hands them back
-    assert runner._tables.shape[0] == 2 * 4
+        assert len(batch.row_of) <= 2  # this round's, until the next round's first batch hands them back
+    assert batch.capacity == 2 * 4

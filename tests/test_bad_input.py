@@ -29,8 +29,8 @@ def test_bad_sampling_params(kwargs, message):
 def good_request_works(llm):
     out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
-    llm.llm_engine.block_manager.check_whole()
-    assert not llm.llm_engine.requests
+    llm.llm_engine.engine_core.block_manager.check_whole()
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("prompt,params,message", [

@@ -43,7 +43,7 @@ def test_outputs_identical_with_and_without_caching(checkpoint, prompts):
         assert tokens(cached.generate(group, GREEDY, use_tqdm=False)) == expected  # together
         for prompt, want in zip(group, expected):  # one after another, now mostly cached
             assert tokens(cached.generate([prompt], GREEDY, use_tqdm=False)) == [want]
-    cached.llm_engine.block_manager.check_whole()
+    cached.llm_engine.engine_core.block_manager.check_whole()
     assert plain.llm_engine.get_stats()["prefix_cache_hits"] == 0
 
 
@@ -81,7 +81,7 @@ def test_a_follow_up_prompt_reuses_the_answer(checkpoint, prompts, async_schedul
     expected = len(first) + len(answer) - 1
     assert expected % 16 == 0
     assert engine.get_stats()["prefix_cache_hits"] - before == expected == out.num_cached_tokens
-    engine.block_manager.check_whole()
+    engine.engine_core.block_manager.check_whole()
 
 
 def test_fully_cached_prompt_recomputes_its_last_token(checkpoint, prompts):
@@ -103,8 +103,8 @@ def test_eviction_and_preemption_with_a_small_pool(checkpoint, prompts):
     for _ in range(2):
         assert tokens(llm.generate(group, GREEDY, use_tqdm=False)) == expected
     engine = llm.llm_engine
-    assert engine.scheduler.num_preemptions >= 1
-    engine.block_manager.check_whole()
+    assert engine.engine_core.scheduler.num_preemptions >= 1
+    engine.engine_core.block_manager.check_whole()
 
 
 def test_n_and_abort_with_shared_blocks(checkpoint, prompts):
@@ -120,7 +120,7 @@ def test_n_and_abort_with_shared_blocks(checkpoint, prompts):
     engine.step()
     assert engine.abort_request("a") and engine.abort_request("b")
     assert not engine.has_unfinished_requests()
-    engine.block_manager.check_whole()
+    engine.engine_core.block_manager.check_whole()
 
 
 def test_hash_collision_does_not_share_blocks():

@@ -1,8 +1,10 @@
 """Sampling: seeds, top-k/top-p/min-p against the distribution they define, penalties, logprobs,
 stop conditions."""
 
+import json
 import math
 import random
+import shutil
 from collections import Counter
 
 import pytest
@@ -159,18 +161,18 @@ def test_stop_strings_exclude_the_stop_and_min_tokens_hold(tiny_text_llm):
     assert base.finish_reason == "length" and len(base.token_ids) == 40
 
 
-def test_eos_ends_a_request_unless_ignored(tiny_text_llm):
-    llm = tiny_text_llm
-    tokens = llm.generate(["Once"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-                          use_tqdm=False)[0].outputs[0].token_ids
-    engine = llm.llm_engine
-    saved = engine.eos_token_ids
-    engine.eos_token_ids = {tokens[4]}  # pretend the 5th token is the model's EOS
-    try:
-        out = llm.generate(["Once"], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
-        ignored = llm.generate(["Once"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-                               use_tqdm=False)[0].outputs[0]
-    finally:
-        engine.eos_token_ids = saved
+def test_eos_ends_a_request_unless_ignored(tiny_text_llm, tiny_text_checkpoint, tmp_path):
+    tokens = tiny_text_llm.generate(["Once"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                                    use_tqdm=False)[0].outputs[0].token_ids
+    # The same model, with its 5th token declared as EOS in its config.
+    shutil.copytree(tiny_text_checkpoint, tmp_path / "model")
+    for name in ("config.json", "generation_config.json"):
+        path = tmp_path / "model" / name
+        if path.exists():
+            path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token_id": tokens[4]}))
+    llm = LLM(str(tmp_path / "model"), device="cpu", num_kv_blocks=64)
+    out = llm.generate(["Once"], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
+    ignored = llm.generate(["Once"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.token_ids == tokens[:tokens.index(tokens[4]) + 1]
     assert ignored.token_ids == tokens

@@ -30,8 +30,8 @@ def run(checkpoint, prompts, **kwargs):
     llm = tiny_llm(checkpoint, **kwargs)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     engine = llm.llm_engine
-    engine.block_manager.check_whole()
-    assert not engine.scheduler.running and not engine.scheduler.waiting
+    engine.engine_core.block_manager.check_whole()
+    assert not engine.engine_core.scheduler.running and not engine.engine_core.scheduler.waiting
     return [o.outputs[0].token_ids for o in outputs], engine
 
 
@@ -55,13 +55,13 @@ def test_chunked_prefill_equals_alone(checkpoint, prompts, alone):
 def test_kv_exhaustion_preempts_and_recomputes(checkpoint, prompts, alone):
     # 24 blocks of 16 tokens hold ~3 of these requests at once; 20 are submitted together.
     outputs, engine = run(checkpoint, prompts, num_kv_blocks=24, enable_prefix_caching=False)
-    assert engine.scheduler.num_preemptions >= 1
+    assert engine.engine_core.scheduler.num_preemptions >= 1
     assert outputs == alone
 
 
 def test_kv_exhaustion_with_prefix_caching(checkpoint, prompts, alone):
     outputs, engine = run(checkpoint, prompts, num_kv_blocks=24, max_num_batched_tokens=32)
-    assert engine.scheduler.num_preemptions >= 1
+    assert engine.engine_core.scheduler.num_preemptions >= 1
     assert outputs == alone
 
 
@@ -72,9 +72,9 @@ def test_static_waits_for_the_whole_batch(checkpoint, prompts):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=4 + 4 * i, ignore_eos=True))
     admitted_while_running = False
     while engine.has_unfinished_requests():
-        running_before = {s.request_id for s in engine.scheduler.running}
+        running_before = {s.request_id for s in engine.engine_core.scheduler.running}
         engine.step()
-        running_after = {s.request_id for s in engine.scheduler.running}
+        running_after = {s.request_id for s in engine.engine_core.scheduler.running}
         if running_before and running_after - running_before:
             admitted_while_running = True
     assert not admitted_while_running

@@ -245,7 +245,7 @@ def engine_outputs(path: str, prompts, params, **kwargs):
     llm = LLM(path, device="cpu", **kwargs)
     try:
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        llm.llm_engine.block_manager.check_whole()
+        llm.llm_engine.engine_core.block_manager.check_whole()
         return [o.outputs[0].token_ids for o in outputs]
     finally:
         llm.llm_engine.shutdown()

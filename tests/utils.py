@@ -60,11 +60,11 @@ def hf_model(path: str) -> Any:
 def our_logits(llm: Any, token_ids: list[int]) -> torch.Tensor:
     """Logits at every position of one sequence, through our model and a scratch block table."""
     engine = llm.llm_engine
-    runner = engine.model_runner
+    runner = engine.engine_core.model_runner
     bs = runner.block_size
     n = len(token_ids)
     num_blocks = (n + bs - 1) // bs
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.engine_core.block_manager.num_free_blocks == engine.engine_core.block_manager.num_blocks
     blocks = list(range(num_blocks))
     device = runner.device
     meta = AttentionMetadata(

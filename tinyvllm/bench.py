@@ -78,4 +78,4 @@ def run_throughput(llm: Any, prompts: list[list[int]], params: list[SamplingPara
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"output_tokens": generated, "prompt_tokens": sum(map(len, prompts)), "seconds": seconds,
             "output_tok_per_s": generated / seconds,
-            "preemptions": llm.llm_engine.scheduler.num_preemptions}
+            "preemptions": llm.llm_engine.get_stats()["num_preemptions"]}

@@ -7,12 +7,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from tinyvllm.config import EngineConfig
+from tinyvllm.engine.input_processor import Message, PromptType
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 
-Prompt = str | list[int] | dict[str, Any]
-Message = dict[str, str]
+Prompt = PromptType
 
 
 class LLM:
@@ -51,14 +51,8 @@ class LLM:
 
     def apply_chat_template(self, conversation: list[Message], add_generation_prompt: bool = True,
                             chat_template: str | None = None) -> list[int]:
-        tokenizer = self.get_tokenizer()
-        if tokenizer is None:
-            raise ValueError("chat needs a tokenizer; this engine runs with skip_tokenizer_init")
-        if chat_template is None and not tokenizer.chat_template:
-            raise ValueError("this model has no chat template: use generate() or pass chat_template=")
-        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                            tokenize=True, chat_template=chat_template)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return self.llm_engine.input_processor.apply_chat_template(conversation, add_generation_prompt,
+                                                                  chat_template)
 
     def _run(self, prompts: list[Prompt], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -66,7 +60,7 @@ class LLM:
         try:
             for prompt, params in zip(prompts, params_list):
                 request_id = str(next(self._request_ids))
-                engine.add_request(request_id, _prompt_input(prompt), params, output_kind="final_only")
+                engine.add_request(request_id, prompt, params, output_kind="final_only")
                 ids.append(request_id)
         except Exception:
             for request_id in ids:  # a bad prompt leaves nothing of its batch behind
@@ -102,13 +96,3 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt of token ids
     return prompts
-
-
-def _prompt_input(prompt: Prompt) -> str | list[int]:
-    if isinstance(prompt, dict):
-        if "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"])
-        if "prompt" in prompt:
-            return prompt["prompt"]
-        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-    return prompt

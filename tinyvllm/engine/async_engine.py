@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from tinyvllm.config import EngineConfig
+from tinyvllm.engine.input_processor import InputProcessor, ProcessedInput, PromptType
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams
@@ -46,8 +47,7 @@ class _Failure:
 @dataclasses.dataclass
 class _Add:
     request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
+    processed: ProcessedInput
     future: asyncio.Future[None]
 
 
@@ -109,9 +109,11 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        # A private copy, so that the server can tokenize and render chat templates on the event loop
-        # while the engine thread detokenizes with its own (a fast tokenizer is not safe to share).
+        # A private copy, so that the server can tokenize and render chat templates on its side while the
+        # engine thread detokenizes with its own (a fast tokenizer is not safe to share).
         self.tokenizer: Any = copy.deepcopy(engine.tokenizer)
+        ip = engine.input_processor
+        self.input_processor = InputProcessor(self.tokenizer, ip.vocab_size, ip.max_model_len, ip.kv_capacity_tokens)
         self.model_path = engine.model_path
         self.max_model_len = engine.max_model_len
         self.model_config = engine.model_config
@@ -161,26 +163,26 @@ class AsyncLLMEngine:
             logger.warning("the engine thread did not stop within %.0f s", timeout)
 
     # ---- requests ---------------------------------------------------------------------------------
-    async def add_requests(self, requests: Sequence[tuple[str, str | list[int], SamplingParams]]) -> RequestStream:
-        """Queue requests (request_id, prompt, params) and return the stream of their outputs. If the
-        engine refuses any of them (ValueError: a bad prompt or params), none is kept and the error is
-        raised here, before any output."""
+    async def add_requests(self, requests: Sequence[tuple[str, ProcessedInput]]) -> RequestStream:
+        """Queue requests (request_id, input checked by self.input_processor) and return the stream of their
+        outputs. If the engine refuses any of them (ValueError), none is kept and the error is raised here,
+        before any output."""
         if not self._accepting:
             raise EngineDeadError("the server is shutting down")
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running ({self.dead_reason or 'not started'})")
-        ids = [request_id for request_id, _, _ in requests]
+        ids = [request_id for request_id, _ in requests]
         if len(set(ids)) != len(ids) or any(i in self._streams for i in ids):
             raise ValueError("request ids must be unique")
         assert self._loop is not None
         stream = RequestStream(self, ids)
         futures = []
-        for request_id, prompt, params in requests:  # no await in this loop: see _fail_all
+        for request_id, processed in requests:  # no await in this loop: see _fail_all
             future = self._loop.create_future()
             self._streams[request_id] = stream
             self._pending_adds[request_id] = future
             futures.append(future)
-            self._commands.put(_Add(request_id, prompt, params, future))
+            self._commands.put(_Add(request_id, processed, future))
         try:
             results = await asyncio.gather(*futures, return_exceptions=True)
         except BaseException:  # cancelled: the client went away while we waited
@@ -195,10 +197,11 @@ class AsyncLLMEngine:
             raise errors[0]
         return stream
 
-    async def generate(self, request_id: str, prompt: str | list[int],
+    async def generate(self, request_id: str, prompt: PromptType,
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """One request's outputs as the engine produces them; leaving the loop early aborts it."""
-        stream = await self.add_requests([(request_id, prompt, params)])
+        processed = self.input_processor.process(prompt, params, decode_prompt=False)
+        stream = await self.add_requests([(request_id, processed)])
         try:
             async for output in stream:
                 yield output
@@ -271,7 +274,7 @@ class AsyncLLMEngine:
         engine = self.engine
         if isinstance(command, _Add):
             try:
-                engine.add_request(command.request_id, command.prompt, command.params, output_kind="delta")
+                engine.add_processed_request(command.request_id, command.processed, output_kind="delta")
             except Exception as e:
                 self._post(_set_exception, command.future, e)
             else:
@@ -284,7 +287,7 @@ class AsyncLLMEngine:
         self._stats = engine.get_stats()
 
     def _abort_all(self, reason: str) -> None:
-        ids = list(self.engine.requests)
+        ids = list(self.engine.output_processor.requests)
         for request_id in ids:
             self.engine.abort_request(request_id)
         if ids:

@@ -112,7 +112,9 @@ class BlockManager:
         that filled up since the last call: this runs for every sequence at every step)."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        # (Computed tokens are real by now, but a token in flight can be computed before it is read back.)
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
+        num_full = min(num_full, len(seq.block_table))
         if num_full <= seq.num_registered_blocks:
             return
         self._hash_full_blocks(seq, num_full)

@@ -1,4 +1,5 @@
-"""The scheduler: which sequences run in the next step, and how many new tokens each computes.
+"""The scheduler: which sequences run in the next step, and how many new tokens each computes; then,
+with the step's sampled tokens, which sequences they finish.
 
 Each step has a token budget (max_num_batched_tokens). Running sequences go first, oldest first: a
 decode takes one token, an unfinished prompt takes the next chunk that fits. Then, budget and seat
@@ -6,131 +7,159 @@ limits permitting, waiting sequences are admitted (continuous batching). When th
 the youngest running sequence is preempted: its blocks are freed and it goes back to the front of
 the queue, to be recomputed later, so no request is ever dropped.
 
-With async scheduling the next step is scheduled while the GPU still runs the last one: a sequence's
-token from that step is a placeholder (Sequence.num_pending) that the model runner takes from the GPU.
-A sequence that has all its tokens is not scheduled again, and one whose token is still pending is not
-admitted from the queue (after a preemption) until the token is known.
+A step's output is plain data (contract.SchedulerOutput): the model runner never sees a Sequence. A
+sequence whose last token is in the step gets a placeholder (Sequence.num_output_placeholders) until the
+runner's sampled token comes back (update_from_output). With async scheduling the next step is scheduled
+before that, as if the token were known; the runner takes it from the device. A sequence that has all its
+tokens is not scheduled again, and one whose token is still in flight is not admitted from the queue
+(after a preemption) until the token is known.
 
 With scheduling="static", sequences are admitted only when nothing runs, as many as fit, and the
 batch runs to its end before the next one is admitted: it exists to show what continuous buys."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from dataclasses import dataclass, field
 
+from tinyvllm.contract import EngineCoreOutput, ModelRunnerOutput, NewSequence, SchedulerOutput
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.sequence import Sequence, SequenceStatus
 
 
-@dataclass
-class SchedulerOutput:
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    # ids of the sequences whose blocks were freed since the last batch (the model runner drops their rows)
-    released: list[int] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    def is_empty(self) -> bool:
-        return not self.seqs
-
-
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "continuous") -> None:
+                 max_model_len: int, policy: str = "continuous") -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.policy = policy
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.seqs: dict[int, Sequence] = {}  # every unfinished sequence, by id
         self.num_preemptions = 0
-        self._released: list[int] = []
-        self._pending_in_queue = False  # a preempted sequence waits with a pending token (it may stop at it)
+        self.num_prompt_tokens = 0  # prompt tokens computed (prefix-cache hits not counted)
+        self._freed: list[int] = []  # ids whose blocks were freed since the last batch (the runner drops them)
+        self._waiting_with_placeholder = False  # a preempted sequence waits for its token in flight
 
     def add(self, seq: Sequence) -> None:
+        self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def abort(self, request_id: str) -> list[Sequence]:
-        """Remove every sequence of the request, freeing its blocks; returns them."""
-        aborted = [s for s in (*self.waiting, *self.running) if s.request_id == request_id]
-        for seq in aborted:
-            if seq in self.running:
-                self.running.remove(seq)
-            else:
-                self.waiting.remove(seq)
-            self._free(seq)
-            seq.status = SequenceStatus.FINISHED
-        return aborted
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a sequence now (an abort, or a stop string found in its text) and free its blocks."""
+        if seq.is_finished:
+            return
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._set_finished(seq, reason, stop_reason)
+        self._free(seq)
+        del self.seqs[seq.seq_id]
+
+    @staticmethod
+    def _set_finished(seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        seq.status = SequenceStatus.FINISHED
+        seq.num_output_placeholders = 0  # a token a step in flight draws for it is dropped
 
     def _free(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
-        self._released.append(seq.seq_id)
+        seq.num_sent_blocks = -1
+        self._freed.append(seq.seq_id)
 
+    # ---- scheduling -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens
         if self.policy == "static" and not self.running:
             self._admit_static_batch()
 
+        preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.params.max_tokens is not None and seq.num_output_tokens >= seq.params.max_tokens:
-                i += 1  # its last token is pending: it finishes when that is read back
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                i += 1  # its last token is in flight: it finishes when that is read back
                 continue
             num_new = self._try_allocate(seq, budget)
             while num_new is None:
                 victim = self.running.pop()  # the youngest
                 self._preempt(victim)
-                out.preempted.append(victim)
+                preempted = True
                 if victim is seq:
                     break
                 num_new = self._try_allocate(seq, budget)
             if num_new is None:
                 break
-            out.seqs.append(seq)
+            scheduled.append(seq)
             out.num_new_tokens.append(num_new)
             budget -= num_new
             i += 1
 
         # Admit no one in a step that had to preempt: the pool is already short.
-        if self.policy == "continuous" and not out.preempted:
+        if self.policy == "continuous" and not preempted:
+            now = time.time()
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
-                if seq.num_pending:
+                if seq.num_output_placeholders:
                     break
                 num_new = self._try_allocate(seq, budget)
                 if num_new is None:
                     break
                 self.waiting.popleft()
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-                out.seqs.append(seq)
+                self._start_running(seq, now)
+                scheduled.append(seq)
                 out.num_new_tokens.append(num_new)
                 budget -= num_new
-        if out.seqs:  # (an empty batch reaches no model runner: the ids wait for the next one)
-            out.released, self._released = self._released, []
+        if scheduled:  # (an empty batch reaches no model runner: the freed ids wait for the next one)
+            out.finished_seq_ids, self._freed = self._freed, []
+            self._describe(out, scheduled)
         return out
+
+    def _describe(self, out: SchedulerOutput, scheduled: list[Sequence]) -> None:
+        """Fill in what the runner needs of each scheduled sequence, and count the step's tokens as computed
+        (their K/V are written in stream order before any later step reads them); a sequence whose last
+        token is in the step gets a placeholder for the token it samples."""
+        for seq, num_new in zip(scheduled, out.num_new_tokens):
+            out.seq_ids.append(seq.seq_id)
+            if seq.num_sent_blocks < 0:
+                out.new_seqs.append(NewSequence(
+                    seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, seq.num_computed_tokens,
+                    list(seq.block_table), seq.params, seq.seed, tuple(seq.stop_token_ids)))
+                seq.num_sent_blocks = len(seq.block_table)
+            elif len(seq.block_table) > seq.num_sent_blocks:
+                out.new_block_ids[seq.seq_id] = seq.block_table[seq.num_sent_blocks:]
+                seq.num_sent_blocks = len(seq.block_table)
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.num_prompt_tokens += min(seq.num_prompt_tokens - seq.num_computed_tokens, num_new)
+            seq.num_computed_tokens += num_new
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.num_output_placeholders += 1
+
+    def _start_running(self, seq: Sequence, now: float) -> None:
+        seq.status = SequenceStatus.RUNNING
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = now
+        self.running.append(seq)
 
     def _admit_static_batch(self) -> None:
         """Seat as many waiting sequences as there are seats and blocks for their prompts."""
         free = self.block_manager.num_free_blocks
-        while self.waiting and len(self.running) < self.max_num_seqs and not self.waiting[0].num_pending:
+        now = time.time()
+        while (self.waiting and len(self.running) < self.max_num_seqs
+               and not self.waiting[0].num_output_placeholders):
             need = self.block_manager.blocks_needed(self.waiting[0].num_tokens + 1)
             if need > free and self.running:
                 break
             free -= need
-            seq = self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._start_running(self.waiting.popleft(), now)
 
     def _try_allocate(self, seq: Sequence, budget: int) -> int | None:
         """Blocks for seq's next chunk (at most `budget` tokens); its size, or None if the pool is short.
@@ -155,31 +184,51 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks and queue it first, to recompute prompt and output later."""
         self._free(seq)
-        self._pending_in_queue |= seq.num_pending > 0
+        self._waiting_with_placeholder |= seq.num_output_placeholders > 0
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def advance(self, out: SchedulerOutput) -> None:
-        """Once the step is launched: its tokens count as computed (their K/V are written in stream
-        order before any later step reads them)."""
-        for seq, num_new in zip(out.seqs, out.num_new_tokens):
-            seq.num_computed_tokens += num_new
-
-    def update(self, out: SchedulerOutput) -> None:
-        """Once the step's tokens are read back: cache the full blocks of its sequences (those that just
-        finished too, so that a follow-up prompt holding their output finds it), and free the sequences
-        that finished (a preempted one may finish while it waits, by its pending token)."""
-        for seq in out.seqs:
-            if seq.block_table:
+    # ---- after the step ---------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Take a step's sampled tokens: append each to its sequence, finish those that hit a stop token or
+        their length, cache the full blocks of the step's sequences (those that just finished too, so that
+        a follow-up prompt holding their output finds it), and free the finished ones."""
+        outputs: list[EngineCoreOutput] = []
+        finished: list[Sequence] = []
+        for seq_id, token, logprobs in zip(result.seq_ids, result.sampled_token_ids, result.logprobs):
+            seq = self.seqs.get(seq_id)
+            if seq is None:  # it stopped at its previous token, or was aborted: this token is dropped
+                continue
+            seq.num_output_placeholders -= 1
+            seq.token_ids.append(token)
+            self._check_stop(seq, token)
+            if seq.is_finished:
+                finished.append(seq)
+            outputs.append(EngineCoreOutput(seq.request_id, seq.index, [token],
+                                            None if logprobs is None else [logprobs], seq.finish_reason,
+                                            seq.stop_reason, seq.num_cached_tokens, seq.first_scheduled_time))
+        for seq_id in out.seq_ids:
+            seq = self.seqs.get(seq_id)
+            if seq is not None and seq.block_table:
                 self.block_manager.cache_computed_blocks(seq)
-        if any(s.is_finished for s in self.running):
-            finished = [s for s in self.running if s.is_finished]
+        if finished:
             self.running = [s for s in self.running if not s.is_finished]
             for seq in finished:
-                self._free(seq)
-        if self._pending_in_queue:  # its token is known now: drop it if that token finished it
+                del self.seqs[seq.seq_id]
+                if seq.block_table:  # (a preempted one has none)
+                    self._free(seq)
+        if self._waiting_with_placeholder:  # its token is known now: drop it if that token finished it
             self.waiting = deque(s for s in self.waiting if not s.is_finished)
-            self._pending_in_queue = False
+            self._waiting_with_placeholder = False
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        num_outputs = len(seq.token_ids) - seq.num_prompt_tokens  # this token's number
+        params = seq.params
+        if num_outputs >= params.min_tokens and token in seq.stop_token_ids:
+            self._set_finished(seq, "stop", None if token in seq.eos_token_ids and not params.ignore_eos else token)
+        elif num_outputs >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            self._set_finished(seq, "length", None)

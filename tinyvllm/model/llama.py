@@ -219,6 +219,20 @@ class LlamaForCausalLM(nn.Module):
             return [split(c.num_heads) * c.head_dim, kv_size, kv_size]
         return [split(c.intermediate_size)] * 2
 
+    def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """K and V of every layer for one block of tokens, on this rank (its share of the KV heads)."""
+        attn = self.model.layers[0].self_attn
+        return 2 * len(self.model.layers) * block_size * attn.num_kv_heads * attn.head_dim * dtype.itemsize
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Give every layer its K and V pools, [num_blocks, block_size, kv_heads, head_dim] each (num_blocks=0:
+        drop them, to measure memory without them)."""
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+            attn.k_cache = torch.zeros(shape, dtype=dtype, device=device) if num_blocks else torch.empty(0)
+            attn.v_cache = torch.zeros(shape, dtype=dtype, device=device) if num_blocks else torch.empty(0)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] for every token of the flat batch."""
         return self.model(input_ids, positions, self.cos_sin_cache, meta)

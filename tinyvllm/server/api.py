@@ -27,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tinyvllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestAbortedError, RequestStream
+from tinyvllm.engine.input_processor import InputError, ProcessedInput
 from tinyvllm.outputs import Logprob
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.server.metrics import RequestTracker, ServerMetrics
@@ -148,8 +149,8 @@ class OpenAIServer:
         self.engine = engine
         self.model_name = served_model_name
         self.tokenizer = engine.tokenizer
+        self.inputs = engine.input_processor  # (it tokenizes with the server's own copy of the tokenizer)
         self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.model_config.vocab_size
         self.metrics = ServerMetrics(engine, served_model_name)
 
     # ---- checks and conversions -------------------------------------------------------------------
@@ -158,62 +159,16 @@ class OpenAIServer:
             raise APIError(404, f"The model `{model}` does not exist: this server serves `{self.model_name}`.",
                            "model")
 
-    def _need_tokenizer(self) -> Any:
-        if self.tokenizer is None:
-            raise APIError(400, "this server runs without a tokenizer: send prompts as token ids")
-        return self.tokenizer
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        # The same call as the engine's own for a text prompt, so that both paths see the same tokens.
-        return list(self._need_tokenizer().encode(text, add_special_tokens=add_special_tokens))
-
-    def apply_chat_template(self, messages: list[Any], add_generation_prompt: bool,
-                            chat_template: str | None) -> list[int]:
-        tokenizer = self._need_tokenizer()
-        if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise APIError(400, "this model has no chat template: use /v1/completions, or send chat_template")
-        conversation = []
-        for message in messages:
-            content = message.content
-            if isinstance(content, list):
-                parts = []
-                for part in content:
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise APIError(400, "only text content parts are supported", "messages")
-                    parts.append(part["text"])
-                content = "\n".join(parts)
-            conversation.append({"role": message.role, "content": content or ""})
-        try:
-            ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                tokenize=True, chat_template=chat_template)
-        except Exception as e:  # jinja2 errors: a template or messages the template refuses
-            raise APIError(400, f"cannot apply the chat template: {e}", "messages") from e
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-    def completion_prompts(self, prompt: Any) -> list[list[int]]:
+    def prompt_token_ids(self, prompt: Any) -> list[list[int]]:
+        """A completion request's prompt (text, token ids, or a list of either) as token-id lists."""
         if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
             prompt = [prompt]
         if not prompt:
             raise APIError(400, "prompt must not be empty", "prompt")
-        prompts = [self.encode(p) if isinstance(p, str) else list(p) for p in prompt]
-        if any(not p for p in prompts):
-            raise APIError(400, "prompt must not be empty", "prompt")
-        return prompts
+        return [self.inputs.tokenize(p)[1] for p in prompt]
 
-    def max_tokens(self, requested: int | None, prompt_len: int) -> int | None:
-        """The request's max_tokens, or the rest of the context when it gives none."""
-        limit = self.max_model_len
-        if prompt_len >= limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your prompt "
-                                f"has {prompt_len} tokens, leaving no room to generate. Shorten the prompt.",
-                           "prompt")
-        if requested is None:
-            return limit - prompt_len
-        if isinstance(requested, int) and requested >= 1 and prompt_len + requested > limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for "
-                                "the completion). Reduce the length of the prompt or max_tokens.", "max_tokens")
-        return requested
+    def process(self, token_ids: list[int], params: SamplingParams) -> ProcessedInput:
+        return self.inputs.process(token_ids, params, decode_prompt=False)
 
     @staticmethod
     def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -240,7 +195,7 @@ class OpenAIServer:
         except ValueError as e:
             raise APIError(400, str(e), _param_of(str(e), body)) from e
 
-    async def add(self, requests: list[tuple[str, list[int], SamplingParams]]) -> RequestStream:
+    async def add(self, requests: list[tuple[str, ProcessedInput]]) -> RequestStream:
         try:
             return await self.engine.add_requests(requests)
         except ValueError as e:
@@ -290,12 +245,11 @@ class OpenAIServer:
             raise APIError(400, "suffix is not supported", "suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of is not supported (other than best_of == n)", "best_of")
-        prompts = self.completion_prompts(body.prompt)
+        prompts = self.prompt_token_ids(body.prompt)
         request_id = random_id("cmpl")
-        requests = [(f"{request_id}-{i}", ids, self.sampling_params(body, self.max_tokens(body.max_tokens, len(ids)),
-                                                                      body.logprobs))
-                    for i, ids in enumerate(prompts)]
-        choice_index = {(rid, k): i * body.n + k for i, (rid, _, _) in enumerate(requests) for k in range(body.n)}
+        params = self.sampling_params(body, body.max_tokens, body.logprobs)
+        requests = [(f"{request_id}-{i}", self.process(ids, params)) for i, ids in enumerate(prompts)]
+        choice_index = {(rid, k): i * body.n + k for i, (rid, _) in enumerate(requests) for k in range(body.n)}
         prompt_tokens = sum(len(p) for p in prompts)
         tracker = self.metrics.tracker()
         stream = await self.add(requests)
@@ -370,12 +324,13 @@ class OpenAIServer:
             top_logprobs = body.top_logprobs or 0
         elif body.top_logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
-        ids = self.apply_chat_template(body.messages, body.add_generation_prompt, body.chat_template)
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        ids = self.inputs.apply_chat_template(messages, body.add_generation_prompt, body.chat_template)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = self.sampling_params(body, self.max_tokens(requested, len(ids)), top_logprobs)
+        processed = self.process(ids, self.sampling_params(body, requested, top_logprobs))
         request_id = random_id("chatcmpl")
         tracker = self.metrics.tracker()
-        stream = await self.add([(request_id, ids, params)])
+        stream = await self.add([(request_id, processed)])
         if body.stream:
             options = body.stream_options
             return _EventStream(self._stream_chat(stream, request_id, body.n, len(ids), tracker, top_logprobs,
@@ -443,19 +398,19 @@ class OpenAIServer:
         self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", "prompt")
+        self.inputs.need_tokenizer("/tokenize")
         if body.prompt is not None:
-            ids = self.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = self.inputs.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)[1]
         else:
-            ids = self.apply_chat_template(body.messages or [], body.add_generation_prompt, None)
+            ids = self.inputs.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages or []],
+                                                  body.add_generation_prompt, None)
         strs = list(self.tokenizer.convert_ids_to_tokens(ids)) if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
 
     def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(body.model)
-        bad = [t for t in body.tokens if not 0 <= t < self.vocab_size]
-        if bad:
-            raise APIError(400, f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}", "tokens")
-        return DetokenizeResponse(prompt=self._need_tokenizer().decode(body.tokens))
+        self.inputs.check_token_ids(body.tokens, "tokens")
+        return DetokenizeResponse(prompt=self.inputs.need_tokenizer("/detokenize").decode(body.tokens))
 
 
 class _ClientGone(Exception):
@@ -562,6 +517,10 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(InputError)
+    async def _input_error(request: Request, exc: InputError) -> JSONResponse:
+        return error_response(400, str(exc), exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -2,19 +2,21 @@
 SamplingParams (penalties, min_tokens, temperature, top-k/top-p/min-p, seed, logprobs).
 
 Nothing here waits for the GPU: the tokens stay on the device (the next step may read them there, with
-async scheduling) and are copied to pinned host memory behind an event; AsyncSamplerOutput.get() waits."""
+async scheduling) and are copied to pinned host memory behind an event; AsyncModelRunnerOutput.get() waits."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from tinyvllm import ops
-from tinyvllm.engine.sequence import Sequence
+from tinyvllm.contract import ModelRunnerOutput
 from tinyvllm.outputs import Logprob
+from tinyvllm.worker.input_batch import InputBatch
 
 _MASK64 = (1 << 63) - 1
 # Up to this many all-greedy rows, our sampling kernel's argmax (split over the vocabulary) beats torch.argmax:
@@ -69,39 +71,43 @@ class SamplingTensors:
                    **flags)
 
 
-@dataclass
-class SamplerOutput:
-    seqs: list[Sequence]
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob] | None]
+class AsyncModelRunnerOutput:
+    """A step's sampled tokens on their way to the host. `token_ids` (on the device) feeds the next step's
+    inputs; get() waits for the copy and returns the ModelRunnerOutput."""
 
-
-class AsyncSamplerOutput:
-    """A step's sampled tokens on their way to the host. `token_ids` (on the device) feeds the next
-    step's inputs; get() waits for the copy and returns the SamplerOutput."""
-
-    def __init__(self, seqs: list[Sequence], token_ids: torch.Tensor, host: torch.Tensor,
-                 event: torch.cuda.Event | None, raw_logprobs: torch.Tensor | None, has_penalties: bool) -> None:
-        self.seqs = seqs
+    def __init__(self, seq_ids: list[int], token_ids: torch.Tensor, host: torch.Tensor,
+                 event: torch.cuda.Event | None, raw_logprobs: torch.Tensor | None,
+                 num_logprobs: list[int | None] | None, has_penalties: bool,
+                 on_ready: Callable[[list[int], list[int]], None] | None = None,
+                 timer: tuple[torch.cuda.Event, torch.cuda.Event] | None = None) -> None:
+        self.seq_ids = seq_ids
         self.token_ids = token_ids
         self.has_penalties = has_penalties  # the next step cannot overlap this one: it needs these tokens
         self._host, self._event, self._raw_logprobs = host, event, raw_logprobs
+        self._num_logprobs, self._on_ready, self._timer = num_logprobs, on_ready, timer
 
     @functools.cached_property
     def row_of(self) -> dict[int, int]:
-        """seq_id -> row of token_ids (only a next step with pending inputs asks)."""
-        return {seq.seq_id: row for row, seq in enumerate(self.seqs)}
+        """seq_id -> row of token_ids (only a next step with inputs in flight asks)."""
+        return {seq_id: row for row, seq_id in enumerate(self.seq_ids)}
 
-    def get(self) -> SamplerOutput:
+    def get(self) -> ModelRunnerOutput:
         if self._event is not None:
             self._event.synchronize()
         token_ids = self._host.tolist()
-        logprobs: list[dict[int, Logprob] | None] = [None] * len(self.seqs)
-        if self._raw_logprobs is not None:
-            for row, (seq, token) in enumerate(zip(self.seqs, token_ids)):
-                if seq.params.logprobs is not None:
-                    logprobs[row] = _logprobs_of(self._raw_logprobs[row], token, seq.params.logprobs)
-        return SamplerOutput(self.seqs, token_ids, logprobs)
+        if self._on_ready is not None:
+            self._on_ready(self.seq_ids, token_ids)
+        logprobs: list[dict[int, Logprob] | None] = [None] * len(self.seq_ids)
+        if self._raw_logprobs is not None and self._num_logprobs is not None:
+            for row, (token, top_n) in enumerate(zip(token_ids, self._num_logprobs)):
+                if top_n is not None:
+                    logprobs[row] = _logprobs_of(self._raw_logprobs[row], token, top_n)
+        gpu_ms = None
+        if self._timer is not None:
+            start, end = self._timer
+            end.synchronize()
+            gpu_ms = start.elapsed_time(end)
+        return ModelRunnerOutput(self.seq_ids, token_ids, logprobs, gpu_ms)
 
 
 def _logprobs_of(row: torch.Tensor, token: int, top_n: int) -> dict[int, Logprob]:
@@ -124,15 +130,18 @@ class Sampler:
         self._turn = 0
         self._greedy: tuple[torch.Tensor, ...] = ()
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
-                 sampling: SamplingTensors) -> AsyncSamplerOutput:
+    def __call__(self, logits: torch.Tensor, sampling: SamplingTensors, batch: InputBatch, rows: np.ndarray,
+                 seq_ids: list[int], on_ready: Callable[[list[int], list[int]], None] | None = None,
+                 timer: tuple[torch.cuda.Event, torch.cuda.Event] | None = None) -> AsyncModelRunnerOutput:
+        """Sample one token for each row of `logits`: row i is the batch's row rows[i], sequence seq_ids[i].
+        Its outputs so far (num_tokens - num_prompt: before this step's token) count for min_tokens."""
         # The logits come in the model's dtype. Logprobs are those of the model's own distribution, before
         # penalties and temperature, in float32; penalties are applied in float32 too (as vLLM).
         raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32) if sampling.any_logprobs else None
         if sampling.any_penalties:
-            logits = self._apply_penalties(logits.float(), seqs)
+            logits = self._apply_penalties(logits.float(), batch, rows)
         if sampling.any_min_tokens:
-            logits = self._apply_min_tokens(logits, seqs)
+            logits = self._apply_min_tokens(logits, batch, rows)
         if sampling.all_greedy and logits.is_cuda and logits.shape[0] <= _KERNEL_GREEDY_MAX_ROWS:
             token_ids = ops.sample(logits, *self._greedy_rows(logits.shape[0]), use_top_p=False, max_top_k=0,
                                    use_min_p=False)
@@ -142,7 +151,13 @@ class Sampler:
             token_ids = ops.sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
                                    sampling.seeds, use_top_p=sampling.use_top_p, max_top_k=sampling.max_top_k,
                                    use_min_p=sampling.use_min_p)
-        return AsyncSamplerOutput(seqs, token_ids, *self._to_host(token_ids), raw_logprobs, sampling.any_penalties)
+        num_logprobs = None
+        if sampling.any_logprobs:
+            num_logprobs = [p.logprobs for p in (batch.params[row] for row in rows.tolist())]
+        if timer is not None:
+            timer[1].record()
+        return AsyncModelRunnerOutput(seq_ids, token_ids, *self._to_host(token_ids), raw_logprobs, num_logprobs,
+                                      sampling.any_penalties, on_ready, timer)
 
     def _greedy_rows(self, n: int) -> tuple[torch.Tensor, ...]:
         """Sampling parameters of n greedy rows (temperature 0), kept on the device."""
@@ -167,35 +182,38 @@ class Sampler:
         event.record()
         return host, event
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, batch: InputBatch, rows: np.ndarray) -> torch.Tensor:
         """vLLM's semantics: repetition divides positive (multiplies negative) logits of every token
         seen in prompt or output; frequency and presence subtract per output occurrence / once. (The
-        engine never overlaps a step with penalties: their token histories must be known.)"""
-        rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
-        if not rows:
-            return logits
+        engine never overlaps a step with penalties: their token histories are all on the host.)"""
         logits = logits.clone()
-        for i in rows:
-            seq, p = seqs[i], seqs[i].params
-            assert not seq.num_pending, "penalties need every earlier token on the host"
+        for i, row in enumerate(rows.tolist()):
+            p = batch.params[row]
+            if not p.has_penalties:
+                continue
+            history = batch.token_ids[row]
+            assert len(history) == batch.num_tokens[row], "penalties need every earlier token on the host"
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
+                seen = torch.tensor(sorted(set(history)), dtype=torch.long, device=logits.device)
                 values = logits[i, seen]
                 logits[i, seen] = torch.where(values > 0, values / p.repetition_penalty,
                                               values * p.repetition_penalty)
-            if (p.frequency_penalty or p.presence_penalty) and seq.num_output_tokens:
-                counts = torch.bincount(torch.tensor(seq.output_token_ids, device=logits.device),
+            outputs = history[batch.num_prompt[row]:]
+            if (p.frequency_penalty or p.presence_penalty) and outputs:
+                counts = torch.bincount(torch.tensor(outputs, device=logits.device),
                                         minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
         return logits
 
     @staticmethod
-    def _apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _apply_min_tokens(logits: torch.Tensor, batch: InputBatch, rows: np.ndarray) -> torch.Tensor:
         """Until a sequence has min_tokens outputs, its EOS and stop tokens cannot be drawn."""
         cloned = False
-        for i, seq in enumerate(seqs):
-            if seq.num_output_tokens < seq.params.min_tokens and seq.stop_token_set:
+        num_outputs = batch.num_tokens[rows] - batch.num_prompt[rows]
+        for i, row in enumerate(rows.tolist()):
+            stops = batch.stop_token_ids[row]
+            if num_outputs[i] < batch.params[row].min_tokens and stops:
                 if not cloned:
                     logits, cloned = logits.clone(), True
-                logits[i, list(seq.stop_token_set)] = float("-inf")
+                logits[i, list(stops)] = float("-inf")
         return logits

@@ -1,0 +1,89 @@
+"""The engine/worker contract: what the scheduler tells the model runner at each step, and what the
+runner gives back. Plain data only: the two sides share no mutable object, so either can change how it
+works (or run in another rank or process) without touching the other. Names follow vLLM's V1 engine.
+
+A sequence is sent in full once (NewSequence), when the runner first sees it or sees it again after a
+preemption; after that a step names it by id with its new-token count, and the blocks it gained. The
+runner keeps its own per-sequence state from these messages (worker/input_batch.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tinyvllm.outputs import Logprob
+from tinyvllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewSequence:
+    """Everything the runner needs about a sequence it does not hold yet."""
+
+    seq_id: int
+    token_ids: list[int]  # every token known: the prompt, then (after a preemption) the outputs so far
+    num_prompt_tokens: int
+    num_computed_tokens: int  # already in the KV cache (a prefix-cache hit)
+    block_ids: list[int]
+    params: SamplingParams
+    seed: int  # the sequence's base seed; each draw's seed derives from it and the output count
+    stop_token_ids: tuple[int, ...]  # what min_tokens keeps from being drawn (EOS unless ignore_eos, stop ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: which sequences run, in batch order, with how many new tokens each."""
+
+    seq_ids: list[int] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    new_seqs: list[NewSequence] = field(default_factory=list)
+    new_block_ids: dict[int, list[int]] = field(default_factory=dict)  # seen sequences' blocks gained since
+    # Sequences freed since the last step (finished, aborted or preempted): the runner drops their state.
+    finished_seq_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def is_empty(self) -> bool:
+        return not self.seq_ids
+
+
+@dataclass
+class ModelRunnerOutput:
+    """The tokens a step sampled: one for each sequence whose last known token was in the step."""
+
+    seq_ids: list[int]
+    sampled_token_ids: list[int]
+    logprobs: list[dict[int, Logprob] | None]  # per sampled sequence, when it asked for logprobs
+    gpu_time_ms: float | None = None  # the step's device time, when the engine asked for it
+
+
+@dataclass
+class EngineCoreOutput:
+    """What the engine core (scheduler and model runner) reports of one sequence after a step: its new
+    tokens and whether they finished it. The output processor turns these into RequestOutputs."""
+
+    request_id: str
+    index: int  # which of the request's n completions
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    first_scheduled_time: float | None = None
+
+
+@dataclass
+class StepStats:
+    """One engine step, for whoever watches (benchmarks, tests, metrics): LLMEngine.add_step_callback."""
+
+    num_seqs: int  # sequences in the step
+    num_prefill_tokens: int  # tokens of prompts (or of recomputation after a preemption)
+    num_decode_tokens: int
+    num_inputs_in_flight: int  # input tokens taken on the device from the step before (async scheduling)
+    num_running: int
+    num_waiting: int
+    num_blocks_used: int
+    num_blocks: int
+    num_preemptions: int  # in this step
+    host_ms: float  # scheduling and launching the step, and processing its output, on the host
+    gpu_ms: float | None = None  # the step's device time (with record_gpu_time)

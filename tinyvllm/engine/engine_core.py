@@ -1,0 +1,218 @@
+"""EngineCore: the scheduler and the model runner, stepping together. Token ids in, EngineCoreOutputs
+(each sequence's new tokens, and whether they finished it) out. It makes no text and holds no tokenizer:
+that is the output processor's work, so that the core can run apart from the code that serves requests.
+
+With async scheduling, step() launches the next batch before it waits for the one in flight, so that the
+host's work (scheduling, building the batch, processing outputs) overlaps the device's. The new batch is
+scheduled as if the tokens in flight were known (placeholders, which the model runner takes from the
+device); a sequence that turns out to have stopped at its token in flight has computed one token in
+vain, which is dropped."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tinyvllm.config import ConfigError, EngineConfig, ModelConfig, check_tensor_parallel_size
+from tinyvllm.contract import EngineCoreOutput, SchedulerOutput, StepStats
+from tinyvllm.distributed import ONE_GPU, TensorParallel, destroy_tensor_parallel, init_tensor_parallel
+from tinyvllm.engine.block_manager import BlockManager
+from tinyvllm.engine.scheduler import Scheduler
+from tinyvllm.engine.sequence import Sequence
+from tinyvllm.model.loader import build_model
+from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.worker.model_runner import ModelRunner
+from tinyvllm.worker.sampler import AsyncModelRunnerOutput, step_seed
+from tinyvllm.worker.tp_worker import TensorParallelWorkers, free_tcp_init_method
+
+StepCallback = Callable[[StepStats], None]
+
+
+@dataclass
+class _Launched:
+    """A step on the device: what was scheduled, its output on its way, and its statistics so far."""
+
+    step: SchedulerOutput
+    output: AsyncModelRunnerOutput
+    stats: StepStats | None  # only when someone watches
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: str, device: torch.device,
+                 dtype: torch.dtype, max_model_len: int) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = device
+        tp, self.workers = self._start_tensor_parallel(model_path, dtype, max_model_len)
+        try:
+            model = build_model(model_config, model_path, device, dtype, max_model_len, tp=tp)
+            self.model_runner = ModelRunner(model, model_config, config, device, dtype, max_model_len, tp)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.shutdown(timeout_s=0)
+                destroy_tensor_parallel()
+            raise
+        self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   max_model_len, config.scheduling)
+        self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        self.requests: dict[str, list[Sequence]] = {}
+        self._seq_ids = itertools.count()
+        self._rng = random.Random(config.seed)
+        self.async_scheduling = config.resolve_async_scheduling(device)
+        self._in_flight: _Launched | None = None
+        self.step_callbacks: list[StepCallback] = []
+        self.record_gpu_time = False  # time each step on the device for the step callbacks (costs a sync)
+        self.num_generation_tokens = 0
+
+    def _start_tensor_parallel(self, model_path: str, dtype: torch.dtype,
+                               max_model_len: int) -> tuple[TensorParallel, TensorParallelWorkers | None]:
+        """With tensor_parallel_size N > 1: start ranks 1..N-1 and join their group as rank 0."""
+        size = self.config.tensor_parallel_size
+        if size == 1:
+            return TensorParallel(), None
+        check_tensor_parallel_size(self.model_config, size, self.device.type, num_gpus=size if ONE_GPU else None)
+        if torch.distributed.is_initialized():
+            raise ConfigError("a tensor-parallel engine is already running in this process (torch.distributed is "
+                              "initialized): call its llm_engine.shutdown() first")
+        init_method = free_tcp_init_method()
+        workers = TensorParallelWorkers(self.config, model_path, self.device, dtype, max_model_len, init_method)
+        try:
+            return init_tensor_parallel(0, size, init_method, self.device), workers
+        except BaseException:
+            workers.shutdown(timeout_s=0)
+            raise
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do for one rank). The core is unusable after."""
+        if self.workers is not None:
+            try:
+                if self.workers.all_alive():  # (a dead one would leave the others waiting in the broadcast)
+                    self.model_runner.stop_workers()
+            finally:
+                self.workers.shutdown()
+                destroy_tensor_parallel()
+                self.workers = None
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request already validated (by the input processor): one sequence per completion (n)."""
+        stop_tokens = set(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            stop_tokens |= self.eos_token_ids
+        stop_tokens = frozenset(t for t in stop_tokens if 0 <= t < self.model_config.vocab_size)
+        seqs = []
+        for index in range(params.n):
+            seed = self._rng.getrandbits(63) if params.seed is None else step_seed(params.seed, -1 - index)
+            seqs.append(Sequence(next(self._seq_ids), request_id, index, prompt_token_ids, params, seed, stop_tokens,
+                                 self.eos_token_ids))
+        self.requests[request_id] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Finish every sequence of the request and free its KV blocks (nothing if it is unknown)."""
+        for seq in self.requests.pop(request_id, []):
+            self.scheduler.finish(seq, "abort")
+
+    def finish_sequence(self, request_id: str, index: int, reason: str, stop_reason: int | str | None) -> None:
+        """End one completion early (the output processor found a stop string in its text)."""
+        seqs = self.requests.get(request_id)
+        if seqs is not None:
+            self.scheduler.finish(seqs[index], reason, stop_reason)
+            self._forget_if_done(request_id)
+
+    def _forget_if_done(self, request_id: str) -> None:
+        seqs = self.requests.get(request_id)
+        if seqs is not None and all(s.is_finished for s in seqs):
+            del self.requests[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def has_step_in_flight(self) -> bool:
+        """A step launched and not yet read back (async scheduling)."""
+        return self._in_flight is not None
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        if self.workers is not None:
+            self.workers.check_alive()
+            try:
+                return self._step()
+            except RuntimeError:
+                self.workers.check_alive()  # a worker that died mid-step is the error to report
+                raise
+        return self._step()
+
+    def _step(self) -> list[EngineCoreOutput]:
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            in_flight = self._launch()
+            if in_flight is None:
+                if self.scheduler.has_unfinished():
+                    raise RuntimeError("the scheduler has waiting requests but could schedule none")
+                return []
+        if self.async_scheduling and not in_flight.output.has_penalties:  # penalties need the tokens on the host
+            self._in_flight = self._launch()
+        result = in_flight.output.get()
+        start = time.perf_counter()
+        outputs = self.scheduler.update_from_output(in_flight.step, result)
+        for output in outputs:
+            if output.finish_reason is not None:
+                self._forget_if_done(output.request_id)
+        self.num_generation_tokens += len(outputs)
+        if in_flight.stats is not None:
+            in_flight.stats.host_ms += (time.perf_counter() - start) * 1e3
+            in_flight.stats.gpu_ms = result.gpu_time_ms
+            for callback in self.step_callbacks:
+                callback(in_flight.stats)
+        return outputs
+
+    def _launch(self) -> _Launched | None:
+        """Schedule a batch and start it on the device; None if nothing can run now."""
+        start = time.perf_counter()
+        scheduler = self.scheduler
+        preemptions, prompt_tokens = scheduler.num_preemptions, scheduler.num_prompt_tokens
+        step = scheduler.schedule()
+        if step.is_empty():
+            return None
+        output = self.model_runner.execute(step, self.record_gpu_time)
+        stats = None
+        if self.step_callbacks:
+            num_prefill = scheduler.num_prompt_tokens - prompt_tokens
+            seqs = scheduler.seqs
+            # (Its last input is in flight: the step computes a token that is not read back yet.)
+            in_flight = sum(1 for i in step.seq_ids if seqs[i].num_computed_tokens > len(seqs[i].token_ids))
+            bm = self.block_manager
+            stats = StepStats(len(step.seq_ids), num_prefill, step.num_batched_tokens - num_prefill, in_flight,
+                              len(scheduler.running), len(scheduler.waiting), bm.num_blocks - bm.num_free_blocks,
+                              bm.num_blocks, scheduler.num_preemptions - preemptions,
+                              (time.perf_counter() - start) * 1e3)
+        return _Launched(step, output, stats)
+
+    def get_stats(self) -> dict[str, float]:
+        bm = self.block_manager
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": bm.usage,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_blocks": bm.num_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": self.scheduler.num_prompt_tokens,
+            "generation_tokens": self.num_generation_tokens,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+        }

@@ -1,0 +1,140 @@
+"""The input processor: from what a caller gives (text, token ids, a prompt dict, or a chat conversation)
+to the token ids and parameters the engine core takes, with every check a request must pass first. Each
+rule lives here once; LLM, the CLI and the server all go through it, so they refuse the same requests
+with the same messages."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from tinyvllm.sampling_params import SamplingParams
+
+# A prompt as callers give it: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}
+PromptType = str | list[int] | dict[str, Any]
+Message = dict[str, Any]
+
+
+class InputError(ValueError):
+    """A request the engine cannot take, with a message that says why; `param` names the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class ProcessedInput:
+    prompt: str | None  # the prompt's text (decoded from the ids when it came as ids and there is a tokenizer)
+    prompt_token_ids: list[int]
+    params: SamplingParams  # max_tokens filled in
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, kv_capacity_tokens: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.kv_capacity_tokens = kv_capacity_tokens
+
+    def need_tokenizer(self, what: str) -> Any:
+        if self.tokenizer is None:
+            raise InputError(f"{what} needs a tokenizer, and this engine runs with skip_tokenizer_init: "
+                             "give prompts as token ids")
+        return self.tokenizer
+
+    # ---- prompts ----------------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for token ids) and its token ids, checked."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InputError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InputError("the prompt is empty", "prompt")
+            token_ids = list(self.need_tokenizer("a text prompt").encode(prompt,
+                                                                        add_special_tokens=add_special_tokens))
+            if not token_ids:
+                raise InputError("the prompt encodes to no tokens", "prompt")
+            return prompt, token_ids
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+            raise InputError("a prompt is a string or a list of token ids", "prompt")
+        if not prompt:
+            raise InputError("the prompt is empty", "prompt")
+        self.check_token_ids(prompt, "prompt")
+        return None, list(prompt)
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InputError(f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}", param)
+
+    def apply_chat_template(self, conversation: list[Message], add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> list[int]:
+        """A conversation ({"role", "content"} messages; content a string or a list of text parts) as the
+        token ids of the model's chat template."""
+        tokenizer = self.need_tokenizer("a chat conversation")
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise InputError("this model has no chat template: send a plain prompt, or give a chat_template",
+                             "messages")
+        if not conversation:
+            raise InputError("messages must not be empty", "messages")
+        messages = []
+        for message in conversation:
+            content = message.get("content")
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"),
+                                                                                                   str):
+                        raise InputError("only text content parts are supported", "messages")
+                    parts.append(part["text"])
+                content = "\n".join(parts)
+            messages.append({**message, "content": content or ""})
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                tokenize=True, chat_template=chat_template)
+        except Exception as e:  # jinja2 errors: a template, or messages the template refuses
+            raise InputError(f"cannot apply the chat template: {e}", "messages") from e
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    # ---- whole requests ---------------------------------------------------------------------------
+    def process(self, prompt: PromptType, params: SamplingParams, decode_prompt: bool = True) -> ProcessedInput:
+        """Everything a request needs checked before the engine takes it; raises InputError. decode_prompt:
+        give a prompt of token ids its text too (as RequestOutput.prompt), when there is a tokenizer."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
+        text, token_ids = self.tokenize(prompt)
+        if self.tokenizer is None and params.stop_strings:
+            raise InputError("stop strings need a tokenizer, and this engine runs with skip_tokenizer_init", "stop")
+        max_tokens = self.check_length(len(token_ids), params.max_tokens)
+        if params.max_tokens is None:
+            fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
+            params = SamplingParams(**{**fields, "max_tokens": max_tokens})
+        if text is None and decode_prompt and self.tokenizer is not None:
+            text = self.tokenizer.decode(token_ids)
+        return ProcessedInput(text, token_ids, params)
+
+    def check_length(self, prompt_len: int, max_tokens: int | None) -> int:
+        """max_tokens (the rest of the context when None), if prompt and completion fit the context and
+        the KV cache."""
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise InputError(f"the prompt has {prompt_len} tokens, which leaves no room to generate within the "
+                             f"model's context of {limit} tokens: shorten the prompt", "prompt")
+        if max_tokens is None:
+            max_tokens = limit - prompt_len
+        elif prompt_len + max_tokens > limit:
+            raise InputError(f"the prompt has {prompt_len} tokens and max_tokens is {max_tokens}: together "
+                             f"{prompt_len + max_tokens}, beyond the model's context of {limit} tokens; reduce "
+                             "the prompt or max_tokens", "max_tokens")
+        if prompt_len + max_tokens > self.kv_capacity_tokens:
+            raise InputError(f"the request needs up to {prompt_len + max_tokens} tokens of KV cache, but the whole "
+                             f"cache holds {self.kv_capacity_tokens}: lower max_tokens or give the cache more memory",
+                             "max_tokens")
+        return max_tokens

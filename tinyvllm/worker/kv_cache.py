@@ -1,0 +1,84 @@
+"""How many KV-cache blocks the pool gets: an explicit num_kv_blocks, else what memory allows.
+
+On CUDA, the largest step the scheduler can produce is run once to measure its peak activations; the
+cache gets whatever gpu_memory_utilization leaves after the weights and that peak. On the CPU, a budget
+(cpu_kv_cache_gb). Never more than max_num_seqs sequences of max_model_len tokens can use."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from tinyvllm.config import EngineConfig
+from tinyvllm.distributed import TensorParallel
+from tinyvllm.ops import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return (num_tokens + block_size - 1) // block_size
+
+
+def decide_num_blocks(model: torch.nn.Module, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                      max_blocks_per_seq: int, tp: TensorParallel) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    bytes_per_block = model.kv_cache_bytes_per_block(config.block_size, dtype)
+    enough = config.max_num_seqs * max_blocks_per_seq  # more is never used
+    if device.type == "cuda":
+        num_blocks = min(enough, _profile_num_blocks(model, config, device, dtype, max_blocks_per_seq))
+    else:
+        budget = int(config.cpu_kv_cache_gb * 2**30)
+        num_blocks = max(1, min(enough, budget // bytes_per_block))
+    if tp.size > 1:  # every rank holds the same blocks (of its heads): the least any rank can hold
+        count = torch.tensor([num_blocks], device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MIN, group=tp.group)
+        num_blocks = int(count.item())
+    return num_blocks
+
+
+@torch.inference_mode()
+def _profile_num_blocks(model: torch.nn.Module, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                        max_blocks_per_seq: int) -> int:
+    bs = config.block_size
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    num_tokens = config.max_num_batched_tokens
+    model.allocate_kv_cache(blocks_needed(num_tokens, bs), bs, dtype, device)
+    seq_len = min(num_tokens, max_blocks_per_seq * bs)
+    num_seqs = (num_tokens + seq_len - 1) // seq_len
+    lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+    blocks = torch.arange(blocks_needed(num_tokens, bs), device=device, dtype=torch.int32)
+    block_tables = torch.zeros(num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+    start = 0
+    for i, n in enumerate(lens):
+        nb = blocks_needed(n, bs)
+        block_tables[i, :nb] = blocks[start // bs:start // bs + nb]
+        start += nb * bs
+    cu = torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
+    meta = AttentionMetadata(cu, torch.tensor(lens, dtype=torch.int32, device=device), block_tables,
+                             torch.arange(num_tokens, device=device), max(lens), max(lens))
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in lens])
+    hidden = model(ids, positions, meta)
+    model.compute_logits(hidden[: min(num_tokens, config.max_num_seqs)])
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated(device)
+    model.allocate_kv_cache(0, bs, dtype, device)
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    # Memory other processes (and the CUDA context) hold counts against us too.
+    free_now, _ = torch.cuda.mem_get_info(device)
+    used_by_others = total - free_now - torch.cuda.memory_reserved(device)
+    available = total * config.gpu_memory_utilization - peak - max(used_by_others, 0)
+    bytes_per_block = model.kv_cache_bytes_per_block(bs, dtype)
+    num_blocks = int(available // bytes_per_block)
+    if num_blocks < 1:
+        raise ValueError(
+            f"no GPU memory is left for the KV cache (peak {peak / 2**30:.1f} GiB of "
+            f"{total / 2**30:.1f} GiB): raise gpu_memory_utilization or lower max_num_batched_tokens")
+    logger.info("KV cache: %d blocks of %d tokens (%.1f GiB)", num_blocks, bs, num_blocks * bytes_per_block / 2**30)
+    return num_blocks

@@ -1,0 +1,75 @@
+"""A step's host arrays, by name, packed into one buffer and copied to the device in one transfer (and,
+with tensor parallelism, broadcast to the other ranks as one tensor).
+
+On CUDA the buffer is pinned (allocating pinned memory per step costs more than the copy). There are two,
+used in turn: step N+1 is packed while step N's copy may still wait behind step N-1 in the stream (async
+scheduling), but N-1's copy is done, since N-1's tokens have been read back."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+# Every array a step may carry, in a fixed order: the layout names each by its place here, so that the
+# other tensor-parallel ranks read fields by name and a new field cannot shift the others.
+FIELDS = ("input_ids", "positions", "slot_mapping", "logits_indices", "cu_query_lens", "context_lens",
+          "block_tables", "pending_dst", "pending_src", "temperature", "top_k", "top_p", "min_p", "seeds")
+FIELD_INDEX = {name: i for i, name in enumerate(FIELDS)}
+# The fields the model's forward pass needs (what the other ranks run); the rest serve sampling on rank 0.
+MODEL_FIELDS = FIELDS[:7]
+
+DTYPE_CODES = {np.dtype(np.int64): 0, np.dtype(np.int32): 1, np.dtype(np.float32): 2}
+TORCH_DTYPES = [torch.int64, torch.int32, torch.float32]
+
+# (field index, byte offset, dtype code, shape) of each array in a packed buffer
+Layout = list[tuple[int, int, int, tuple[int, ...]]]
+
+
+class Staging:
+    # Every array starts 16-byte aligned: Triton specializes a kernel on whether each pointer argument is
+    # a multiple of 16, so arrays at varying 8-byte offsets would compile new variants mid-run.
+    ALIGN = 16
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+        self._turn = 0
+
+    @classmethod
+    def layout(cls, arrays: dict[str, np.ndarray]) -> Layout:
+        result, offset = [], 0
+        for name, a in arrays.items():
+            result.append((FIELD_INDEX[name], offset, DTYPE_CODES[a.dtype], a.shape))
+            offset += -(-a.nbytes // cls.ALIGN) * cls.ALIGN
+        return result
+
+    def upload(self, arrays: dict[str, np.ndarray]) -> tuple[torch.Tensor, Layout]:
+        """The packed device buffer and its layout (views() turns them into named tensors)."""
+        layout = self.layout(arrays)
+        last = layout[-1] if layout else None
+        total = last[1] + math.prod(last[3]) * TORCH_DTYPES[last[2]].itemsize if last else 0
+        buffer = self._buffers[self._turn]
+        if buffer.numel() < total:
+            size = max(total, 2 * buffer.numel())
+            buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+            self._buffers[self._turn] = buffer
+        self._turn ^= 1
+        host = buffer.numpy()
+        for a, (_, offset, _, _) in zip(arrays.values(), layout):
+            host[offset:offset + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        if self.device.type != "cuda":  # the CPU runs the step from the buffer itself
+            return buffer[:total], layout
+        return buffer[:total].to(self.device, non_blocking=True), layout
+
+
+def views(buffer: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
+    """The named tensors of a packed buffer (views into it, no copy)."""
+    result = {}
+    for index, offset, code, shape in layout:
+        dtype = TORCH_DTYPES[code]
+        nbytes = math.prod(shape) * dtype.itemsize  # (not np.prod: this runs 14 times a step)
+        view = buffer[offset:offset + nbytes].view(dtype)
+        result[FIELDS[index]] = view if len(shape) == 1 else view.view(shape)
+    return result
