@@ -6,13 +6,19 @@
 - RMSNorm, fused add+RMSNorm, RoPE, SiLU-and-mul at >= 64 MB: GB/s vs the copy ceiling and the torch
   reference;
 - sampling at vocabulary 128256, batch 1/64/256 (greedy, temperature, top-k/top-p/min-p, with and without
-  the engine's hints, eager and in a CUDA graph): microseconds vs sample_ref or torch.argmax.
+  the engine's hints, eager and in a CUDA graph): microseconds vs sample_ref or torch.argmax;
+- with --gemv, alone: the skinny matmul (tinyvllm/ops/linear.py) at M = 1..64 on the five Llama-3.2-1B
+  products, in the layouts and calls the model uses, vs cuBLAS and the copy ceiling, 16 distinct weights per
+  shape replayed in a CUDA graph (as the 16 layers run: nothing served from the 50 MB L2); first a bf16
+  correctness check of every case against float64, fresh random inputs each run.
 
     python benchmarks/bench_kernels.py [--quick] [--sweep [prefill|decode|rms_norm] [--sweep-only]]
+    python benchmarks/bench_kernels.py --gemv [--gemv-sweep]
 
 --sweep also times alternative launch configurations: attention tiles, warps, stages and splits; RMSNorm
 rows per program and warps beside a copy with the same grid; without --quick, sampling chunk sizes.
-Naming a family sweeps only it; --sweep-only skips the tables.
+Naming a family sweeps only it; --sweep-only skips the tables. --gemv-sweep also times alternative skinny
+matmul tiles, splits, warps and split-K reduces (compiled first in parallel worker processes).
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import os
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -51,6 +60,12 @@ from tinyvllm.ops.layernorm import (  # noqa: E402
     rms_norm_config,
     rms_norm_ref,
     rms_norm_triton,
+)
+from tinyvllm.ops.linear import (  # noqa: E402
+    SkinnyConfig,
+    skinny_matmul_config,
+    skinny_matmul_triton,
+    split_k_for,
 )
 from tinyvllm.ops.pdl import pdl_options, pdl_wait  # noqa: E402
 from tinyvllm.ops.rotary import build_cos_sin_cache, rotary_embedding_ref, rotary_embedding_triton  # noqa: E402
@@ -410,6 +425,269 @@ def sweep_decode(batch: int, context: int) -> None:
         print(f"  {config}: GB/s by number of splits  " + "  ".join(results), flush=True)
 
 
+# ------------------------------------------------------------------------------------ skinny matmul (GEMV)
+
+# (N, K) of the five products of a Llama-3.2-1B decode step. The projections are stored input-major on CUDA
+# (model/loader.py) and called through F.linear; the tied LM head is the embedding [vocab, hidden], called
+# as torch.matmul(hidden, weight.t()) (LlamaForCausalLM.compute_logits).
+GEMV_SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
+               "lm_head": (128256, 2048)}
+GEMV_BATCHES = [1, 2, 4, 8, 16, 32, 64]
+GEMV_SWEEP_BATCHES = [1, 4, 16, 64]
+GEMV_WEIGHTS = 16  # distinct weights per shape, cycled as the 16 layers are: 16 x 8 MB and up, past the L2
+GEMV_GRAPH_MS = 4.0  # each timed graph replays for about this long
+
+
+def gemv_weights(name: str, count: int, generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """`count` random weights [N, K] of one product, in the layout the model keeps it in."""
+    n, k = GEMV_SHAPES[name]
+    if name == "lm_head":
+        return [torch.randn(n, k, device=DEVICE, dtype=DTYPE, generator=generator) for _ in range(count)]
+    return [torch.randn(k, n, device=DEVICE, dtype=DTYPE, generator=generator).t() for _ in range(count)]
+
+
+def cublas_product(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The product as the model calls it (through cuBLAS)."""
+    if name == "lm_head":
+        return lambda x, w: torch.matmul(x, w.t())
+    return F.linear
+
+
+def gemv_config(name: str, m: int) -> SkinnyConfig:
+    n, k = GEMV_SHAPES[name]
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    return skinny_matmul_config(m, n, k, name == "lm_head", sms)
+
+
+def describe(config: SkinnyConfig) -> str:
+    c = config
+    text = f"{c.block_m}x{c.block_n}x{c.block_k} split {c.split_k} w{c.num_warps} s{c.num_stages}"
+    return text + (f" {c.reduce}" if c.split_k > 1 and c.reduce != "serial" else "")
+
+
+def graph_us(fn: Callable[[], object], calls: int, estimate_us: float) -> float:
+    """Microseconds per call of fn (which makes `calls` calls), fn repeated in one CUDA graph that runs for
+    about GEMV_GRAPH_MS: median of 5 replays, timed with CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    rounds = max(1, min(50, round(GEMV_GRAPH_MS * 1e3 / (estimate_us * calls))))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(rounds):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times) * 1e3 / (rounds * calls)
+
+
+def _estimate_us(name: str) -> float:
+    n, k = GEMV_SHAPES[name]
+    return n * k * 2 / 3e6  # at 3 TB/s
+
+
+def time_gemv(name: str, weights: list[torch.Tensor], x: torch.Tensor, config: SkinnyConfig | None) -> float:
+    return graph_us(lambda: [skinny_matmul_triton(x, w, config) for w in weights], len(weights), _estimate_us(name))
+
+
+def time_cublas(name: str, weights: list[torch.Tensor], x: torch.Tensor) -> float:
+    peer = cublas_product(name)
+    return graph_us(lambda: [peer(x, w) for w in weights], len(weights), _estimate_us(name))
+
+
+def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+def gemv_check() -> bool:
+    """Every case in bf16 against float64 on fresh random inputs (a new seed each run): relative error
+    ||y - ref|| / ||ref|| beside cuBLAS's, output poisoned with NaN first, five more eager calls and a CUDA
+    graph replay bit-identical to the first call (the split-K reduce sums in a fixed order; a race between
+    its programs would show as a moving result)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    generator = torch.Generator(device=DEVICE).manual_seed(seed)
+    print(f"\n## Skinny matmul, bf16 correctness (seed {seed}): ||y - ref|| / ||ref||, ref in float64\n", flush=True)
+    ok = True
+    for name, (n, k) in GEMV_SHAPES.items():
+        w = gemv_weights(name, 1, generator)[0]
+        peer = cublas_product(name)
+        errors = []
+        for m in GEMV_BATCHES:
+            x = torch.randn(m, k, device=DEVICE, dtype=DTYPE, generator=generator)
+            ref = x.double() @ w.double().t()
+            y = skinny_matmul_triton(x, w, out=torch.full((m, n), float("nan"), device=DEVICE, dtype=DTYPE))
+            error, peer_error = _relative_error(y, ref), _relative_error(peer(x, w), ref)
+            same = all(torch.equal(skinny_matmul_triton(x, w), y) for _ in range(5))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y_graph = skinny_matmul_triton(x, w)
+            graph.replay()
+            graph.replay()
+            same = same and torch.equal(y_graph, y)
+            good = math.isfinite(error) and error < 1e-2 and same
+            ok &= good
+            errors.append(f"M={m} {error:.1e} (cuBLAS {peer_error:.1e}){'' if same else ' NOT REPRODUCIBLE'}"
+                          f"{'' if good else ' FAIL'}")
+        print(f"  {name} {n}x{k}: " + "; ".join(errors), flush=True)
+        del w
+        torch.cuda.empty_cache()
+    print(f"  => {'PASS' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
+def bench_gemv(ceiling: float) -> dict[tuple[str, int], tuple[float, float]]:
+    """(shape, M) -> (our us, cuBLAS us) with the wrapper's own configs; prints the table and the crossovers."""
+    results: dict[tuple[str, int], tuple[float, float]] = {}
+    rows = []
+    for name, (n, k) in GEMV_SHAPES.items():
+        weights = gemv_weights(name, GEMV_WEIGHTS)
+        nbytes = n * k * 2
+        for m in GEMV_BATCHES:
+            x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
+            ours, peer = time_gemv(name, weights, x, None), time_cublas(name, weights, x)
+            results[name, m] = (ours, peer)
+            ours_gbps, peer_gbps = nbytes / ours / 1e3, nbytes / peer / 1e3
+            rows.append((f"{name} {n}x{k}", str(m), describe(gemv_config(name, m)), f"{ours:.2f}", f"{ours_gbps:,.0f}",
+                         f"{peer:.2f}", f"{peer_gbps:,.0f}", f"{peer / ours:.2f}x", f"{100 * ours_gbps / ceiling:.0f}%",
+                         f"{100 * peer_gbps / ceiling:.0f}%"))
+            print("  " + "  ".join(rows[-1]), flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    header = ("product NxK", "M", "config (MxNxK tile, split, warps, stages)", "ours us", "ours GB/s", "cuBLAS us",
+              "cuBLAS GB/s", "cuBLAS/ours", "ours of copy", "cuBLAS of copy")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    line = "  ".join("{:<" + str(w) + "}" for w in widths)
+    print(f"\n## Skinny matmul vs cuBLAS, bf16, {GEMV_WEIGHTS} weights per shape in a CUDA graph "
+          f"(GB/s of weight read; copy ceiling {ceiling:.0f} GB/s)\n")
+    print(line.format(*header))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print(line.format(*r))
+    print("\nCrossover (cuBLAS/ours > 1: ours faster):")
+    for name in GEMV_SHAPES:
+        slower = [m for m in GEMV_BATCHES if results[name, m][0] > results[name, m][1]]
+        if not slower:
+            print(f"  {name}: ours faster at every M measured")
+            continue
+        faster = [m for m in GEMV_BATCHES if m < slower[0]]
+        print(f"  {name}: " + (f"ours faster up to M={faster[-1]}; " if faster else "") +
+              f"cuBLAS faster from M={slower[0]} (cuBLAS faster at M={slower})")
+    return results
+
+
+def gemv_candidates(name: str, m: int) -> list[SkinnyConfig]:
+    """Alternatives to the wrapper's config for the sweep: tiles, splits around each tile's own, warps,
+    stages and (where K is split) the other two reduces."""
+    n, k = GEMV_SHAPES[name]
+    k_contiguous = name == "lm_head"
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    default = skinny_matmul_config(m, n, k, k_contiguous, sms)
+    block_m = default.block_m
+    if m == 1:
+        tiles = ([(4, 512), (8, 256), (8, 512), (16, 128), (16, 256), (16, 512), (32, 256), (8, 1024)] if k_contiguous
+                 else [(64, 64), (128, 32), (128, 64), (128, 128), (256, 32), (256, 64)])
+    else:
+        tiles = [(32, 128), (64, 64), (64, 128), (128, 64)] if k_contiguous else [(64, 64), (128, 64), (64, 128)]
+    configs = [default, default._replace(num_warps=8), default._replace(num_warps=2 if m == 1 else 4)]
+    if m > 1:
+        configs += [default._replace(num_stages=2), default._replace(num_stages=4)]
+    for block_n, block_k in tiles:
+        split = split_k_for(m, n, k, block_m, block_n, block_k, sms)
+        for s in sorted({max(split // 2, 1), split, split * 2}):
+            if k >= s * block_k:
+                configs.append(SkinnyConfig(block_m, block_n, block_k, s))
+        if k_contiguous:
+            configs.append(SkinnyConfig(block_m, block_n, block_k, split, num_warps=8))
+    if default.split_k > 1 and m in (1, 4):
+        configs += [default._replace(reduce="two_pass"), default._replace(reduce="atomic")]
+    return list(dict.fromkeys(configs))
+
+
+def _gemv_compile(job: tuple[str, int, SkinnyConfig | None]) -> str | None:
+    """Compile one (shape, M, config) by running it once (in a worker process of gemv_precompile)."""
+    name, m, config = job
+    try:
+        n, k = GEMV_SHAPES[name]
+        skinny_matmul_triton(torch.randn(m, k, device=DEVICE, dtype=DTYPE), gemv_weights(name, 1)[0], config)
+        torch.cuda.synchronize()
+        return None
+    except Exception as error:  # a config that does not compile or fit: reported, and skipped by the sweep
+        return f"{type(error).__name__}: {str(error)[:150]}"
+
+
+def gemv_precompile(jobs: list[tuple[str, int, SkinnyConfig | None]]) -> None:
+    """Fill Triton's on-disk cache for every job in parallel processes (one compile takes about a second,
+    and the sweep has hundreds): the timing loop then only loads them."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    workers = max(1, min(12, (os.cpu_count() or 2) - 2))
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        futures = [pool.submit(_gemv_compile, job) for job in jobs]
+        deadline = time.monotonic() + 240
+        errors = [future.result(timeout=max(0.0, deadline - time.monotonic())) for future in futures]
+    except Exception as error:  # a hung or broken pool: the timing loop compiles what is missing
+        print(f"parallel compile failed ({type(error).__name__}: {error}); compiling in turn", flush=True)
+        for process in list(pool._processes.values()):  # the workers this function started
+            process.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+        return
+    pool.shutdown()
+    failed = [(job, e) for job, e in zip(jobs, errors) if e]
+    print(f"compiled {len(jobs)} skinny matmul configs in {workers} processes; {len(failed)} failed", flush=True)
+    for (name, m, config), error in failed:
+        print(f"  {name} M={m} {describe(config) if config else 'default'}: {error}", flush=True)
+
+
+def sweep_gemv(results: dict[tuple[str, int], tuple[float, float]]) -> None:
+    """Each candidate config's microseconds at GEMV_SWEEP_BATCHES, then the best one per case."""
+    best_rows = []
+    for name in GEMV_SHAPES:
+        n, k = GEMV_SHAPES[name]
+        weights = gemv_weights(name, GEMV_WEIGHTS)
+        for m in GEMV_SWEEP_BATCHES:
+            x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
+            default = gemv_config(name, m)
+            timings = []
+            for config in gemv_candidates(name, m):
+                try:
+                    timings.append((time_gemv(name, weights, x, config), config))
+                except Exception as error:  # a config that does not compile or fit
+                    print(f"  {name} M={m} {describe(config)}: failed ({type(error).__name__})", flush=True)
+            timings.sort(key=lambda t: t[0])
+            print(f"\n  {name} M={m} (default {describe(default)}; cuBLAS {results[name, m][1]:.2f} us): " +
+                  ", ".join(f"{describe(c)} {us:.2f}" for us, c in timings), flush=True)
+            default_us = next(us for us, c in timings if c == default)
+            best_rows.append(f"  {name} M={m}: default {default_us:.2f} us, best {timings[0][0]:.2f} us "
+                             f"({describe(timings[0][1])}), cuBLAS {results[name, m][1]:.2f} us")
+        del weights
+        torch.cuda.empty_cache()
+    print("\n## Skinny matmul sweep: best config per case\n")
+    print("\n".join(best_rows))
+
+
+def run_gemv(sweep_configs: bool) -> int:
+    jobs: list[tuple[str, int, SkinnyConfig | None]] = [(name, m, None) for name in GEMV_SHAPES for m in GEMV_BATCHES]
+    if sweep_configs:
+        jobs += [(name, m, c) for name in GEMV_SHAPES for m in GEMV_SWEEP_BATCHES for c in gemv_candidates(name, m)]
+    gemv_precompile(jobs)
+    ok = gemv_check()
+    ceiling = copy_ceiling()
+    print(f"device-to-device copy (2 GiB): {ceiling:.0f} GB/s (read + written)", flush=True)
+    results = bench_gemv(ceiling)
+    if sweep_configs:
+        sweep_gemv(results)
+    return 0 if ok else 1
+
+
 def main() -> int:
     global QUICK
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -417,6 +695,8 @@ def main() -> int:
     parser.add_argument("--sweep", nargs="?", const="all", choices=("all", "prefill", "decode", "rms_norm"),
                         help="also time alternative launch configs (of one kernel family, if named)")
     parser.add_argument("--sweep-only", action="store_true", help="skip the tables, run the sweep alone")
+    parser.add_argument("--gemv", action="store_true", help="the skinny matmul section alone (check + table)")
+    parser.add_argument("--gemv-sweep", action="store_true", help="with --gemv: also time alternative configs")
     args = parser.parse_args()
     QUICK = args.quick
     if not torch.cuda.is_available():
@@ -424,6 +704,8 @@ def main() -> int:
         return 2
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
+    if args.gemv or args.gemv_sweep:
+        return run_gemv(args.gemv_sweep)
     if args.sweep and args.sweep_only:
         sweep(args.sweep)
         return 0

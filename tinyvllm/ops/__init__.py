@@ -1,7 +1,8 @@
-"""The engine's non-matmul ops. Each op has a plain-PyTorch reference (`*_ref`) and, where Triton is
-available, a Triton kernel (`*_triton`) with the same signature. The names exported here pick the
-Triton kernel for CUDA tensors and the reference otherwise; TINYVLLM_REFERENCE_OPS=1 forces the
-references everywhere (to check the kernels against them on a GPU)."""
+"""The engine's non-matmul ops, and the skinny matmul of decode batches (linear.py). Each op has a
+plain-PyTorch reference (`*_ref`) and, where Triton is available, a Triton kernel (`*_triton`) with the
+same signature. The names exported here pick the Triton kernel for CUDA tensors and the reference
+otherwise; TINYVLLM_REFERENCE_OPS=1 forces the references everywhere (to check the kernels against them
+on a GPU)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from tinyvllm.ops.attention import AttentionMetadata, paged_attention_ref
 from tinyvllm.ops.embedding import embedding_ref
 from tinyvllm.ops.kv_cache import store_kv_ref
 from tinyvllm.ops.layernorm import fused_add_rms_norm_ref, rms_norm_ref
+from tinyvllm.ops.linear import skinny_matmul_ref
 from tinyvllm.ops.rotary import build_cos_sin_cache, rotary_embedding_and_store_ref, rotary_embedding_ref
 from tinyvllm.ops.sampling import sample_ref
 
@@ -28,6 +30,7 @@ __all__ = [
     "rotary_embedding",
     "rotary_embedding_and_store",
     "silu_and_mul",
+    "skinny_matmul",
     "store_kv",
     "paged_attention",
     "sample",
@@ -54,9 +57,10 @@ def _triton_kernels() -> dict[str, Callable[..., Any]]:
         return {}
     try:
         from tinyvllm.ops import triton_kernels
+        from tinyvllm.ops.linear import skinny_matmul_triton
     except ImportError:
         return {}
-    return triton_kernels.KERNELS
+    return {**triton_kernels.KERNELS, "skinny_matmul": skinny_matmul_triton}
 
 
 _TRITON = _triton_kernels()
@@ -81,6 +85,7 @@ fused_add_rms_norm = _dispatch("fused_add_rms_norm", fused_add_rms_norm_ref)
 rotary_embedding = _dispatch("rotary_embedding", rotary_embedding_ref)
 rotary_embedding_and_store = _dispatch("rotary_embedding_and_store", rotary_embedding_and_store_ref)
 silu_and_mul = _dispatch("silu_and_mul", silu_and_mul_ref)
+skinny_matmul = _dispatch("skinny_matmul", skinny_matmul_ref)
 store_kv = _dispatch("store_kv", store_kv_ref)
 paged_attention = _dispatch("paged_attention", paged_attention_ref)
 sample = _dispatch("sample", sample_ref)
