@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from typing import Any
@@ -18,7 +19,8 @@ LLAMA_1B = dict(
 )
 
 
-# The same architecture at toy size, for running a GPU benchmark on a CPU (benchmarks/serve.py --small).
+# The same architecture at toy size, for running a GPU benchmark on a CPU (--small of serve.py, latency.py and
+# throughput.py; tests/test_benchmarks.py runs them so).
 LLAMA_TINY = {**LLAMA_1B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "bos_token_id": 0,
               "eos_token_id": 1}
@@ -35,8 +37,17 @@ def random_llama(path: str, shape: dict, dtype: str = "bfloat16") -> str:
     config = LlamaConfig(**shape)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = LlamaForCausalLM(config).to(getattr(torch, dtype))
-    model.save_pretrained(path)
+    # Saved beside, then renamed into place: a run that starts meanwhile (tests run the --small benchmarks)
+    # finds a whole checkpoint or none, never a config.json without its weights.
+    partial = f"{path}.partial-{os.getpid()}"
+    model.save_pretrained(partial)
     del model
+    try:
+        os.rename(partial, path)
+    except OSError:  # another process saved it first (else a directory is in the way: say so)
+        shutil.rmtree(partial, ignore_errors=True)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # a server started next sizes its KV cache from the memory left free
     return path
@@ -45,6 +56,11 @@ def random_llama(path: str, shape: dict, dtype: str = "bfloat16") -> str:
 def random_llama_1b(path: str = "/tmp/llama-1b-random") -> str:
     """The random-weight bf16 Llama-3.2-1B-shaped checkpoint of shared/BENCHMARKS.md."""
     return random_llama(path, LLAMA_1B)
+
+
+def random_llama_tiny(path: str = "/tmp/llama-tiny-random") -> str:
+    """LLAMA_TINY in float32: the model of the GPU benchmarks' --small runs on a CPU."""
+    return random_llama(path, LLAMA_TINY, "float32")
 
 
 def cuda_ms(fn: Any, reps: int = 50) -> float:

@@ -41,7 +41,7 @@ import sys
 import time
 from typing import Any
 
-from common import LLAMA_TINY, commit, gpu_name, random_llama, random_llama_1b
+from common import commit, gpu_name, random_llama_1b, random_llama_tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -177,8 +177,7 @@ def main() -> int:
         if getattr(args, name) is None:
             setattr(args, name, value)
     levels = [int(c) for c in args.concurrency.split(",")]
-    path = args.model or (random_llama("/tmp/llama-tiny-random", LLAMA_TINY, "float32") if args.small
-                          else random_llama_1b())
+    path = args.model or (random_llama_tiny() if args.small else random_llama_1b())
     with open(os.path.join(path, "config.json")) as f:
         vocab_size = json.load(f)["vocab_size"]
     engine_kwargs = {"device": args.device, "max_model_len": args.max_model_len, "max_num_seqs": max(levels),

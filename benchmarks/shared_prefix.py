@@ -33,16 +33,28 @@ def run(llm, prompts, max_tokens):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true", help="CPU: embedded model, 16 requests, 256-token prefix")
+    # (smaller still: tests/test_benchmarks.py runs --small in seconds)
+    parser.add_argument("--num-requests", type=int, default=None, help="default 256; --small: 16 (at least 2)")
+    parser.add_argument("--prefix-len", type=int, default=None, help="shared tokens (default 1024; --small: 256)")
+    parser.add_argument("--question-len", type=int, default=None, help="default 64; --small: 32")
+    parser.add_argument("--output-len", type=int, default=None, help="default 128; --small: 16")
     args = parser.parse_args()
+    small = {"num_requests": 16, "prefix_len": 256, "question_len": 32, "output_len": 16}
+    large = {"num_requests": 256, "prefix_len": 1024, "question_len": 64, "output_len": 128}
+    for name, value in (small if args.small else large).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.num_requests < 2:
+        parser.error("--num-requests must be at least 2 (one warms the prefix, the others are measured)")
+    n, prefix_len, question_len, out_len = args.num_requests, args.prefix_len, args.question_len, args.output_len
     from tinyvllm import LLM
 
     if args.small:
-        path, n, prefix_len, question_len, out_len, kwargs = None, 16, 256, 32, 16, {"device": "cpu"}
+        path, kwargs = None, {"device": "cpu"}
     else:
         from common import random_llama_1b
 
-        path, n, prefix_len, question_len, out_len = random_llama_1b(), 256, 1024, 64, 128
-        kwargs = {"skip_tokenizer_init": True, "max_model_len": 4096}
+        path, kwargs = random_llama_1b(), {"skip_tokenizer_init": True, "max_model_len": 4096}
     rng = random.Random(0)
     system = [rng.randrange(10000) for _ in range(prefix_len)]
     prompts = [system + [rng.randrange(10000) for _ in range(question_len)] for _ in range(n)]

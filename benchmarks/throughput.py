@@ -1,31 +1,47 @@
 """throughput-256 and static-vs-continuous (shared/BENCHMARKS.md): nano-vllm's bench.py workload.
 
 Ours (continuous and static scheduling) against transformers' continuous batching `generate_batch`
-on the same model in the same run (on a shorter workload, said in the output: it is ~30x slower)."""
+on the same model in the same run (on a shorter workload, said in the output: it is ~30x slower).
+
+    python benchmarks/throughput.py [--json FILE]    (H200: the random-weight Llama-3.2-1B shape)
+    python benchmarks/throughput.py --small          (CPU: a tiny random Llama, 16 prompts of 8 to 64 tokens, 4 to
+                                                     32 output tokens; its figures mean nothing, it shows that the
+                                                     script runs)"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
-from common import commit, gpu_name, random_llama_1b
+from common import commit, gpu_name, random_llama_1b, random_llama_tiny
 
 SPEED_OF_LIGHT = 70_700  # output tok/s, BENCHMARKS.md
 
 
-def hf_throughput(path: str, prompts: list[list[int]], max_new_tokens: int) -> dict[str, float]:
+def hf_throughput(path: str, prompts: list[list[int]], max_new_tokens: int,
+                  device: str = "cuda") -> dict[str, float]:
+    """transformers' continuous batching: bf16 on a GPU, float32 (as the engine runs) on the CPU."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="paged|sdpa")
-    model = model.cuda().eval()
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="paged|sdpa")
+    model = model.to(device).eval()
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    model.generate_batch(inputs=prompts[:2], generation_config=config)  # warm-up
-    torch.cuda.synchronize()
+    kwargs = {}
+    if device == "cpu":  # there transformers would size its KV cache at 90% of the machine's RAM, and zero it
+        from transformers import ContinuousBatchingConfig
+
+        kwargs["continuous_batching_config"] = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=1024)
+    model.generate_batch(inputs=prompts[:2], generation_config=config, **kwargs)  # warm-up
+    if device == "cuda":
+        torch.cuda.synchronize()
     start = time.perf_counter()
-    results = model.generate_batch(inputs=prompts, generation_config=config)
-    torch.cuda.synchronize()
+    results = model.generate_batch(inputs=prompts, generation_config=config, **kwargs)
+    if device == "cuda":
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     generated = sum(len(r.generated_tokens) for r in results.values())
     return {"output_tokens": generated, "seconds": seconds, "output_tok_per_s": generated / seconds}
@@ -72,11 +88,13 @@ def summarize_trace(records: list[tuple[int, int, float]]) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the random-weight Llama-3.2-1B shape")
-    parser.add_argument("--num-prompts", type=int, default=256)
-    parser.add_argument("--peer-prompts", type=int, default=64)
-    parser.add_argument("--peer-max-tokens", type=int, default=128)
+    parser.add_argument("--small", action="store_true",
+                        help="CPU-sized: a tiny random Llama and workload, ours and the transformers peer on the CPU")
+    parser.add_argument("--num-prompts", type=int, default=None, help="default 256; --small: 16")
+    parser.add_argument("--peer-prompts", type=int, default=None, help="default 64; --small: 8")
+    parser.add_argument("--peer-max-tokens", type=int, default=None, help="default 128; --small: 8")
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--no-static", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true")
@@ -90,14 +108,24 @@ def main() -> None:
                         "alternating (a fresh engine each time), to see the run-to-run spread")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    path = args.model or random_llama_1b()
+    for name, large, small in (("num_prompts", 256, 16), ("peer_prompts", 64, 8), ("peer_max_tokens", 128, 8)):
+        if getattr(args, name) is None:
+            setattr(args, name, small if args.small else large)
+    path = args.model or (random_llama_tiny() if args.small else random_llama_1b())
+    device = "cpu" if args.small else "cuda"
+    engine_kwargs = {"device": "cpu"} if args.small else {}
 
     import torch
 
     from tinyvllm import LLM
     from tinyvllm.bench import run_throughput, throughput_workload
 
-    prompts, params = throughput_workload(args.num_prompts)
+    if args.small:  # (prompt tokens within the tiny model's vocabulary)
+        with open(os.path.join(path, "config.json")) as f:
+            vocab_size = json.load(f)["vocab_size"]
+        prompts, params = throughput_workload(args.num_prompts, 8, 64, 4, 32, vocab_size=vocab_size)
+    else:
+        prompts, params = throughput_workload(args.num_prompts)
     result = {"commit": commit(), "gpu": gpu_name(), "tensor_parallel_size": args.tensor_parallel_size}
     caching = "off" if args.no_prefix_caching else "on"
     tp = f", tensor_parallel_size {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
@@ -110,7 +138,8 @@ def main() -> None:
         llm = LLM(path, skip_tokenizer_init=True, scheduling=scheduling, enforce_eager=args.enforce_eager,
                   async_scheduling=not args.no_async_scheduling,
                   max_model_len=4096, max_num_seqs=args.max_num_seqs,
-                  enable_prefix_caching=not args.no_prefix_caching, tensor_parallel_size=args.tensor_parallel_size)
+                  enable_prefix_caching=not args.no_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
+                  **engine_kwargs)
         records = trace_steps(llm) if args.trace else None
         try:
             r = run_throughput(llm, prompts, params, on_start=records.clear if records is not None else None)
@@ -123,9 +152,10 @@ def main() -> None:
         r["num_kv_blocks"] = llm.llm_engine.block_manager.num_blocks
         result.setdefault(scheduling, r)
         result.setdefault("runs", []).append({"scheduling": scheduling, **r})
+        light = "" if args.small else (f", {r['output_tok_per_s'] / SPEED_OF_LIGHT:.0%} of the ~{SPEED_OF_LIGHT:,} "
+                                       "tok/s speed of light")
         print(f"  tinyvllm {name}: {r['output_tok_per_s']:,.0f} output tok/s ({r['seconds']:.1f} s, "
-              f"{r['preemptions']} preemptions), {r['output_tok_per_s'] / SPEED_OF_LIGHT:.0%} of the "
-              f"~{SPEED_OF_LIGHT:,} tok/s speed of light")
+              f"{r['preemptions']} preemptions){light}")
         del llm
         torch.cuda.empty_cache()
     if "static" in result:
@@ -140,9 +170,9 @@ def main() -> None:
     if not args.no_peer:
         short = prompts[: args.peer_prompts]
         try:
-            peer = hf_throughput(path, short, args.peer_max_tokens)
+            peer = hf_throughput(path, short, args.peer_max_tokens, device)
             result["transformers_generate_batch"] = peer
-            llm = LLM(path, skip_tokenizer_init=True, max_model_len=4096)
+            llm = LLM(path, skip_tokenizer_init=True, max_model_len=4096, **engine_kwargs)
             same = run_throughput(llm, short, [type(params[0])(temperature=0, ignore_eos=True,
                                                               max_tokens=args.peer_max_tokens)] * len(short))
             result["ours_on_peer_workload"] = same

@@ -1,0 +1,127 @@
+"""The scripts in benchmarks/ start and run as a user runs them (`python benchmarks/NAME.py`, from the repository
+root), on the CPU at a tiny size where they can, and with --help where they need a GPU.
+
+Why: benchmarks/kernels.py once shadowed Hugging Face's `kernels` package, which transformers imports when it loads
+a model; running a script puts its folder first on sys.path, so every benchmark died at start-up and no test
+noticed. So the module names of the scripts' and the tests' folders are also checked against what is installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Folders whose files are imported by bare module name: a script's own folder is sys.path[0] when it runs, pytest
+# puts tests/ on sys.path, and tests/gpu's scripts put benchmarks/ there too.
+MODULE_FOLDERS = ("benchmarks", "tests", os.path.join("tests", "gpu"))
+
+# Each runnable script with arguments that make it small: a full run's code path (the engine, and the transformers
+# peer where the script has one), in seconds on a CPU.
+SMALL_RUNS = {
+    "cpu_embedded.py": ["--tokens", "4", "--batch-sizes", "1"],
+    "latency.py": ["--small"],
+    "throughput.py": ["--small"],
+    "serve.py": ["--small"],
+    "shared_prefix.py": ["--small", "--num-requests", "4", "--prefix-len", "64", "--question-len", "8",
+                         "--output-len", "4"],
+}
+GPU_ONLY = {"bench_kernels.py", "profile_step.py"}  # --help only: they time CUDA kernels and graphs
+NOT_SCRIPTS = {"common.py"}
+
+# Looks each name up as an import would with none of MODULE_FOLDERS on sys.path, so that what is found is what the
+# folder's file of that name hides. Prints {name: what provides it}.
+SHADOW_PROBE = """
+import importlib.metadata, importlib.util, json, os, sys
+names, folders = json.loads(sys.argv[1]), {os.path.realpath(f) for f in json.loads(sys.argv[2])}
+sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) not in folders]
+distributions = importlib.metadata.packages_distributions()
+found = {}
+for name in names:
+    spec = importlib.util.find_spec(name)
+    if spec is not None:
+        owner = ("the standard library" if name in getattr(sys, "stdlib_module_names", ())
+                 else "package " + ", ".join(distributions.get(name, ["?"])))
+        found[name] = f"{owner}, at {spec.origin or list(spec.submodule_search_locations or [])}"
+print(json.dumps(found))
+"""
+
+# Runs a script as `python SCRIPT --help` does (its folder first on sys.path, as __main__), then, in the same
+# process with whatever the script did to sys.path, imports what the benchmarks import only later: transformers'
+# model code (which imports Hugging Face's `kernels`) and the engine. So a GPU-only script, which gets no further
+# than --help here, still shows that it would get past its imports.
+HELP_THEN_IMPORTS = """
+import os, runpy, sys
+script = sys.argv[1]
+sys.argv = [script, "--help"]
+sys.path[0] = os.path.dirname(os.path.abspath(script))
+try:
+    runpy.run_path(script, run_name="__main__")
+except SystemExit as e:
+    if e.code not in (None, 0):
+        raise
+from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401
+from tinyvllm import LLM  # noqa: F401
+"""
+
+
+def python(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    """The venv's python, from the repository root, in the environment a user has (not the tests' TRITON_INTERPRET,
+    which conftest.py sets for in-process kernels)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def scripts() -> list[str]:
+    return sorted(f for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.endswith(".py") and f not in NOT_SCRIPTS)
+
+
+def failure(proc: subprocess.CompletedProcess, what: str) -> str:
+    return f"{what} exited {proc.returncode}\n--- stderr (last lines) ---\n{proc.stderr[-6000:]}\n" \
+           f"--- stdout (last lines) ---\n{proc.stdout[-2000:]}"
+
+
+def test_module_names_shadow_nothing_installed():
+    modules: dict[str, list[str]] = {}
+    for folder in MODULE_FOLDERS:
+        for file in sorted(os.listdir(os.path.join(ROOT, folder))):
+            if file.endswith(".py"):
+                modules.setdefault(file[:-3], []).append(os.path.join(folder, file))
+    proc = python("-c", SHADOW_PROBE, json.dumps(sorted(modules)),
+                  json.dumps([os.path.join(ROOT, f) for f in MODULE_FOLDERS]), timeout=120)
+    assert proc.returncode == 0, failure(proc, "the probe")
+    shadowed = json.loads(proc.stdout)
+    problems = [f"{file} shadows the installed module {name!r} ({shadowed[name]}): with its folder on sys.path, "
+                f"`import {name}` (by transformers, say) gets this file; rename it"
+                for name, files in modules.items() if name in shadowed for file in files]
+    problems += [f"{' and '.join(files)} have the same module name: whichever folder is first on sys.path hides the "
+                 f"other" for files in modules.values() if len(files) > 1]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_benchmark_script_is_run_here():
+    """A new script must get a tiny CPU run in SMALL_RUNS (or, if it needs a GPU, a place in GPU_ONLY)."""
+    assert set(scripts()) == set(SMALL_RUNS) | GPU_ONLY, "add the new script to SMALL_RUNS or GPU_ONLY"
+
+
+@pytest.mark.parametrize("script", scripts())
+def test_starts_with_help_and_leaves_transformers_importable(script):
+    path = os.path.join("benchmarks", script)
+    proc = python("-c", HELP_THEN_IMPORTS, path, timeout=120)
+    what = f"python {path} --help, then importing transformers' model code and tinyvllm"
+    assert proc.returncode == 0 and "usage:" in proc.stdout, failure(proc, what)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(SMALL_RUNS))
+def test_runs_small_on_the_cpu(script):
+    path = os.path.join("benchmarks", script)
+    command = f"python {path} {' '.join(SMALL_RUNS[script])}"
+    proc = python(path, *SMALL_RUNS[script], timeout=300)
+    assert proc.returncode == 0, failure(proc, command)
+    # latency.py and throughput.py report a transformers peer that fails, and go on: here that is a failure.
+    assert "failed" not in proc.stdout, failure(proc, f"{command} (a peer failed)")
