@@ -298,7 +298,7 @@ def test_a_dead_worker_fails_the_engine_loudly(checkpoints):
     llm = LLM(checkpoints["gqa-tied-odd-vocab"], skip_tokenizer_init=True, device="cpu", num_kv_blocks=32,
               tensor_parallel_size=2)
     try:
-        worker = llm.llm_engine.workers.processes[0]
+        worker = llm.llm_engine.engine_core.workers.processes[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(10)
         start = time.monotonic()
