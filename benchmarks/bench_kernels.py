@@ -433,7 +433,7 @@ def sweep_decode(batch: int, context: int) -> None:
 GEMV_SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
                "lm_head": (128256, 2048)}
 GEMV_BATCHES = [1, 2, 4, 8, 16, 32, 64]
-GEMV_SWEEP_BATCHES = [1, 4, 16, 64]
+GEMV_SWEEP_BATCHES = [1, 4, 16, 32, 64]
 GEMV_WEIGHTS = 16  # distinct weights per shape, cycled as the 16 layers are: 16 x 8 MB and up, past the L2
 GEMV_GRAPH_MS = 4.0  # each timed graph replays for about this long
 
@@ -583,29 +583,34 @@ def bench_gemv(ceiling: float) -> dict[tuple[str, int], tuple[float, float]]:
 
 
 def gemv_candidates(name: str, m: int) -> list[SkinnyConfig]:
-    """Alternatives to the wrapper's config for the sweep: tiles, splits around each tile's own, warps,
-    stages and (where K is split) the other two reduces."""
+    """Alternatives to the wrapper's config for the sweep: dot tiles with splits around each tile's own,
+    warps and stages; at M = 1 CUDA-core GEMV tiles (two warps or four) too; where K is split at M <= 4, the
+    other two reduces."""
     n, k = GEMV_SHAPES[name]
     k_contiguous = name == "lm_head"
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     default = skinny_matmul_config(m, n, k, k_contiguous, sms)
-    block_m = default.block_m
-    if m == 1:
-        tiles = ([(4, 512), (8, 256), (8, 512), (16, 128), (16, 256), (16, 512), (32, 256), (8, 1024)] if k_contiguous
-                 else [(64, 64), (128, 32), (128, 64), (128, 128), (256, 32), (256, 64)])
-    else:
-        tiles = [(32, 128), (64, 64), (64, 128), (128, 64)] if k_contiguous else [(64, 64), (128, 64), (64, 128)]
-    configs = [default, default._replace(num_warps=8), default._replace(num_warps=2 if m == 1 else 4)]
-    if m > 1:
+    block_m = max(default.block_m, 16)
+    configs = [default, default._replace(num_warps=8), default._replace(num_warps=2 if default.block_m == 1 else 4)]
+    if default.block_m > 1:
         configs += [default._replace(num_stages=2), default._replace(num_stages=4)]
-    for block_n, block_k in tiles:
-        split = split_k_for(m, n, k, block_m, block_n, block_k, sms)
+
+    def around(bm: int, bn: int, bk: int, warps: int = 4) -> None:
+        split = split_k_for(m, n, k, bm, bn, bk, sms)
         for s in sorted({max(split // 2, 1), split, split * 2}):
-            if k >= s * block_k:
-                configs.append(SkinnyConfig(block_m, block_n, block_k, s))
-        if k_contiguous:
-            configs.append(SkinnyConfig(block_m, block_n, block_k, split, num_warps=8))
-    if default.split_k > 1 and m in (1, 4):
+            if k >= s * bk:
+                configs.append(SkinnyConfig(bm, bn, bk, s, num_warps=warps))
+
+    dot_tiles = [(32, 128), (64, 64), (64, 128), (128, 64)] if k_contiguous else [(64, 64), (64, 128), (128, 64)]
+    for block_n, block_k in dot_tiles:
+        around(block_m, block_n, block_k)
+    if m == 1:
+        gemv_tiles = ([(16, 256, 4), (8, 512, 4), (16, 512, 4), (16, 256, 8), (32, 256, 8), (16, 128, 8)]
+                      if k_contiguous
+                      else [(128, 64, 2), (128, 64, 4), (128, 128, 4), (64, 128, 2), (256, 64, 4), (128, 128, 8)])
+        for block_n, block_k, warps in gemv_tiles:
+            around(1, block_n, block_k, warps)
+    if default.split_k > 1 and m <= 4:
         configs += [default._replace(reduce="two_pass"), default._replace(reduce="atomic")]
     return list(dict.fromkeys(configs))
 
@@ -666,8 +671,10 @@ def sweep_gemv(results: dict[tuple[str, int], tuple[float, float]]) -> None:
             print(f"\n  {name} M={m} (default {describe(default)}; cuBLAS {results[name, m][1]:.2f} us): " +
                   ", ".join(f"{describe(c)} {us:.2f}" for us, c in timings), flush=True)
             default_us = next(us for us, c in timings if c == default)
-            best_rows.append(f"  {name} M={m}: default {default_us:.2f} us, best {timings[0][0]:.2f} us "
-                             f"({describe(timings[0][1])}), cuBLAS {results[name, m][1]:.2f} us")
+            again = time_gemv(name, weights, x, default)  # the same config timed again: the noise
+            best_rows.append(f"  {name} M={m}: default {default_us:.2f} us (table {results[name, m][0]:.2f}, "
+                             f"again {again:.2f}), best {timings[0][0]:.2f} us ({describe(timings[0][1])}), "
+                             f"cuBLAS {results[name, m][1]:.2f} us")
         del weights
         torch.cuda.empty_cache()
     print("\n## Skinny matmul sweep: best config per case\n")

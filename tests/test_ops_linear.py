@@ -63,10 +63,10 @@ def test_gemv(input_major: bool, n: int, k: int, split: int) -> None:
 
 
 @pytest.mark.parametrize("input_major", [False, True])
-@pytest.mark.parametrize("m", [2, 5, 16, 17, 40])
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 17, 40])
 @pytest.mark.parametrize("split", [1, 4])
 def test_dot(input_major: bool, m: int, split: int) -> None:
-    """M > 1 on the tl.dot path: rows past M masked in the 16-row tile, and M over one tile (17, 40)."""
+    """The tl.dot path: rows past M masked in the 16-row tile (M = 1 too), and M over one tile (17, 40)."""
     torch.manual_seed(m + split)
     n, k = 72, 200
     config = SkinnyConfig(block_m=16, block_n=32, block_k=32, split_k=split)

@@ -10,8 +10,8 @@ one launch whatever the split.
 
 W comes as F.linear takes it, [N, K], in either layout the engine stores: output-major (rows of K
 contiguous: the tied LM head) or input-major (stride (1, N): the projections on CUDA, model/loader.py).
-M = 1 runs as a GEMV on the CUDA cores (one fused multiply-add per weight element, no tensor-core tile to
-pad); M > 1 uses tl.dot on tiles of BLOCK_M >= 16 rows."""
+The kernel has two paths: a GEMV on the CUDA cores (BLOCK_M = 1, M = 1) and tl.dot on tiles of BLOCK_M >= 16
+rows; skinny_matmul_config picks the GEMV for one row of the LM head's layout only."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def skinny_matmul_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 _CPU_SMS = 132  # under the interpreter: an H100/H200's count, so that tests pick the splits a GPU would
-_PROGRAMS_PER_SM = 4  # programs to aim for per SM: enough bytes in flight to stream W at full bandwidth
+_PROGRAMS_PER_SM = 4  # at BLOCK_M = 16 (and for the GEMV); halved for each doubling of BLOCK_M
 _MAX_SPLIT = 64
 
 
@@ -65,28 +65,31 @@ def _num_sms(device: torch.device) -> int:
 
 
 def skinny_matmul_config(m: int, n: int, k: int, k_contiguous: bool, num_sms: int = _CPU_SMS) -> SkinnyConfig:
-    """Tiles from the shape: the W tile of one loop step is 8-16 KB, wide along W's contiguous dimension
-    (16-byte loads, whole 128-byte lines); K is split (a power of two, at least one step per split) until
-    the grid has about _PROGRAMS_PER_SM programs per SM, since one program per column tile leaves most of
-    the H200 idle when N is small (o_proj: 16 tiles of 128 columns for 132 SMs)."""
-    if m == 1:
-        block_m, block_n, block_k = 1, (16 if k_contiguous else 128), (512 if k_contiguous else 64)
+    """Tiles and split from the shape, as the H200 sweep of benchmarks/bench_kernels.py --gemv-sweep ranked
+    them (benchmarks/RESULTS.md). A GEMV for one row of the LM head's layout (rows of K contiguous: 16 rows of
+    W per program, 512-byte runs of each). Otherwise tl.dot on 64 columns and 16-64 rows: at M = 1 the rows
+    padded to 16 cost no bandwidth, and its pipelined K loop (cp.async, 3 stages) streamed the input-major
+    projections better than the CUDA-core GEMV did. K steps of 128, but 64 with 16 rows and more than 32
+    column tiles (qkv, gate_up: there the smaller shared-memory footprint won)."""
+    if m == 1 and k_contiguous:
+        block_m, block_n, block_k = 1, 16, 256
     else:
         block_m = min(max(16, triton.next_power_of_2(m)), 64)
-        block_n, block_k = (64, 128) if k_contiguous else (128, 64)
+        block_n = 64
+        block_k = 64 if block_m == 16 and not k_contiguous and triton.cdiv(n, block_n) > 32 else 128
     block_k = min(block_k, max(triton.next_power_of_2(k), 16))
     return SkinnyConfig(block_m, block_n, block_k, split_k_for(m, n, k, block_m, block_n, block_k, num_sms))
 
 
 def split_k_for(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, num_sms: int) -> int:
-    """The smallest power-of-two split of K that gives about _PROGRAMS_PER_SM programs per SM, keeping at
-    least one BLOCK_K step per split, at most _MAX_SPLIT splits, and the float32 partials (split * M * N * 4
-    bytes, written and read back) under an eighth of W's bytes (N * K * 2): at M = 64 they would otherwise
-    cost as much as W."""
+    """The largest power-of-two split of K that keeps the grid within _PROGRAMS_PER_SM programs per SM (fewer
+    for taller tiles, which do more per program) and leaves at least two BLOCK_K steps per split (the loop's
+    loads then overlap). Splitting past that lost on the H200: more programs each moving less, and a larger
+    reduce in the last program of each tile."""
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    target = _PROGRAMS_PER_SM * num_sms * 16 // max(block_m, 16)
     split = 1
-    while (tiles * split < _PROGRAMS_PER_SM * num_sms and split < _MAX_SPLIT and k >= 2 * split * block_k
-           and 2 * split * m * 4 * 8 <= 2 * k):
+    while 2 * split <= _MAX_SPLIT and tiles * 2 * split <= target and k >= 2 * (2 * split) * block_k:
         split *= 2
     return split
 
