@@ -63,7 +63,7 @@ def step_breakdown(llm, prompt_len: int, output_len: int) -> dict[str, float]:
     from tinyvllm.worker.sampler import AsyncSamplerOutput, SamplingTensors
 
     engine = llm.llm_engine
-    runner = engine.model_runner
+    runner = engine.engine_core.model_runner
     totals: dict[str, float] = {}
 
     def timed(name, fn):
@@ -75,11 +75,11 @@ def step_breakdown(llm, prompt_len: int, output_len: int) -> dict[str, float]:
                 totals[name] = totals.get(name, 0.0) + time.perf_counter() - t
         return wrapper
 
-    patched = [(engine.scheduler, "schedule", "schedule"),
+    patched = [(engine.engine_core.scheduler, "schedule", "schedule"),
                (runner, "prepare", "prepare (host arrays -> one copy to the device)"),
                (runner, "execute", "launch (prepare + graph replay + LM head + sampler)"),
                (AsyncSamplerOutput, "get", "wait for the tokens (GPU time not hidden)"),
-               (engine.scheduler, "update", "scheduler update")]
+               (engine.engine_core.scheduler, "update", "scheduler update")]
     originals = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patched]
     for obj, attr, name in patched:
         setattr(obj, attr, timed(name, getattr(obj, attr)))
@@ -127,7 +127,7 @@ def main() -> None:
     device = "cpu" if args.small else "cuda"
 
     from tinyvllm import LLM
-    from tinyvllm.bench import run_latency
+    from tinyvllm.entrypoints.bench_offline import run_latency
 
     llm = LLM(path, skip_tokenizer_init=True, enforce_eager=args.enforce_eager, max_model_len=4096,
               gpu_memory_utilization=0.5, async_scheduling=not args.no_async_scheduling,

@@ -79,7 +79,7 @@ def decoding_llm(path: str, batch: int, context: int, temperature: float = 0.6, 
     for i in range(batch):
         engine.add_request(str(i), [(7 * i + j) % 10000 for j in range(context)],
                            SamplingParams(temperature=temperature, max_tokens=64, ignore_eos=True))
-    while engine.scheduler.waiting or any(s.num_output_tokens < 2 for s in engine.scheduler.running):
+    while engine.engine_core.scheduler.waiting or any(s.num_output_tokens < 2 for s in engine.engine_core.scheduler.running):
         engine.step()
     return llm
 
@@ -212,7 +212,7 @@ def graph_step_ms(path: str, batch: int, context: int) -> float:
 
     llm = decoding_llm(path, batch, context)
     engine = llm.llm_engine
-    runner = engine.model_runner
+    runner = engine.engine_core.model_runner
     bs = next(b for b in runner.graph_batch_sizes if b >= batch)
     ms = cuda_ms(runner.graphs[bs].replay, 50)
     print(f"  graph replay, batch {batch} (graph {bs}): {ms:.3f} ms")

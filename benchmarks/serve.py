@@ -63,7 +63,7 @@ def cpu_seconds(pid: int) -> float | None:
 
 
 def start_server(path: str, port: int, engine_args: list[str], log: Any) -> subprocess.Popen:
-    command = [sys.executable, "-m", "tinyvllm.cli", "serve", "--model", path, "--host", "127.0.0.1",
+    command = [sys.executable, "-m", "tinyvllm", "serve", "--model", path, "--host", "127.0.0.1",
                "--port", str(port), "--skip-tokenizer-init", "--log-level", "warning", *engine_args]
     return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -72,7 +72,7 @@ def start_server(path: str, port: int, engine_args: list[str], log: Any) -> subp
 def bench(url: str, concurrency: int, num_prompts: int, input_len: int, output_len: int, vocab_size: int,
           seed: int, duration_limit: float, num_clients: int = 1) -> dict[str, Any]:
     """One `tinyvllm bench serve` run, from this process (and num_clients - 1 more, if asked)."""
-    from tinyvllm.bench_serve import add_cli_args, run_benchmark
+    from tinyvllm.entrypoints.bench_serve import add_cli_args, run_benchmark
 
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
@@ -130,7 +130,7 @@ def offline(path: str, prompts: list[list[int]], warm_prompts: list[list[int]], 
     seconds = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"requests": len(prompts), "output_tokens": generated, "seconds": seconds,
-            "output_tok_per_s": generated / seconds, "preemptions": llm.llm_engine.scheduler.num_preemptions}
+            "output_tok_per_s": generated / seconds, "preemptions": llm.llm_engine.engine_core.scheduler.num_preemptions}
 
 
 def table(levels: list[dict[str, Any]]) -> str:
@@ -198,7 +198,7 @@ def main() -> int:
         start = time.perf_counter()
         process = start_server(path, port, engine_args, log)
         try:
-            from tinyvllm.bench_serve import wait_healthy
+            from tinyvllm.entrypoints.bench_serve import wait_healthy
 
             wait_healthy(process, url, timeout=600)
             result["server_ready_s"] = time.perf_counter() - start
@@ -231,7 +231,7 @@ def main() -> int:
     print("peer: vLLM is not installed on the device (nothing can be fetched there), so no serving peer was "
           "measured; the nearest is this engine's offline LLM.generate on the same prompts.")
     if result["levels"] and not args.no_offline:
-        from tinyvllm.bench_serve import random_token_prompts
+        from tinyvllm.entrypoints.bench_serve import random_token_prompts
 
         top = result["levels"][-1]
         n, seed = top["config"]["num_prompts"], top["seed"]

@@ -118,7 +118,7 @@ def main() -> None:
     import torch
 
     from tinyvllm import LLM
-    from tinyvllm.bench import run_throughput, throughput_workload
+    from tinyvllm.entrypoints.bench_offline import run_throughput, throughput_workload
 
     if args.small:  # (prompt tokens within the tiny model's vocabulary)
         with open(os.path.join(path, "config.json")) as f:
@@ -149,7 +149,7 @@ def main() -> None:
             r["trace"] = summarize_trace(records)
             print("    steps:", ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                          for k, v in r["trace"].items()))
-        r["num_kv_blocks"] = llm.llm_engine.block_manager.num_blocks
+        r["num_kv_blocks"] = llm.llm_engine.engine_core.block_manager.num_blocks
         result.setdefault(scheduling, r)
         result.setdefault("runs", []).append({"scheduling": scheduling, **r})
         light = "" if args.small else (f", {r['output_tok_per_s'] / SPEED_OF_LIGHT:.0%} of the ~{SPEED_OF_LIGHT:,} "

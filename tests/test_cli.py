@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tinyvllm(*args, stdin=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "tinyvllm.cli", *args], input=stdin, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tinyvllm", *args], input=stdin, capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
 
 

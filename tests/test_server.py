@@ -89,7 +89,7 @@ def server(tmp_path_factory):
     log_path = str(tmp_path_factory.mktemp("server") / "server.log")
     log = open(log_path, "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "tinyvllm.cli", "serve", "--port", str(port), "--api-key", API_KEY,
+        [sys.executable, "-m", "tinyvllm", "serve", "--port", str(port), "--api-key", API_KEY,
          "--num-kv-blocks", "512", "--max-num-seqs", "64", "--log-level", "warning",
          # as on a GPU, where it is the default: the engine thread launches step N+1 before reading step N
          "--async-scheduling"],
@@ -129,7 +129,7 @@ def offline(server):
 
 
 def _wait_healthy(server: Server, timeout: float = 240.0) -> None:
-    from tinyvllm.bench_serve import wait_healthy
+    from tinyvllm.entrypoints.bench_serve import wait_healthy
 
     try:
         wait_healthy(server.process, server.url, timeout)
@@ -424,7 +424,7 @@ def test_metrics_parse_and_move(live):
 def test_bench_serve(live, tmp_path, num_clients):
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, "-m", "tinyvllm.cli", "bench", "serve", "--base-url", live.url, "--api-key", API_KEY,
+        [sys.executable, "-m", "tinyvllm", "bench", "serve", "--base-url", live.url, "--api-key", API_KEY,
          "--num-prompts", "4", "--concurrency", "2", "--max-tokens", "4", "--input-len", "8",
          "--duration-limit", "120", "--num-clients", str(num_clients), "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=_single_threaded_env())

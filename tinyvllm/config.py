@@ -213,29 +213,42 @@ def check_tensor_parallel_size(config: ModelConfig, tensor_parallel_size: int, d
             raise ConfigError(f"tensor_parallel_size={size} needs {size} GPUs, but {available} are visible")
 
 
+def _arg(default: Any, help: str, **cli: Any) -> Any:
+    """A field of EngineConfig with what the command line needs to offer it (help, type, choices, aliases):
+    the CLI's engine flags are generated from these, so each default is written once."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass
 class EngineConfig:
     """How the engine runs: memory, batch limits, scheduling policy. Names and defaults follow vLLM."""
 
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    num_kv_blocks: int | None = None
-    cpu_kv_cache_gb: float = 2.0
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False
-    scheduling: str = "continuous"
-    # Schedule step N+1 while the GPU runs step N (None: on for CUDA, where the host is the bottleneck;
-    # off on the CPU, where nothing runs concurrently and a stopped sequence's extra token would cost).
-    async_scheduling: bool | None = None
-    tensor_parallel_size: int = 1
-    skip_tokenizer_init: bool = False
-    seed: int = 0
+    model: str | None = _arg(None, "model directory (config.json + *.safetensors) or .gguf file; none: the embedded "
+                                   "SmolLM2-135M-Instruct", type=str)
+    dtype: str = _arg("auto", "weights and activations: auto is float32 on the CPU and the checkpoint's half type on a "
+                              "GPU", choices=("auto", "float32", "float16", "bfloat16"))
+    device: str = _arg("auto", "auto, cpu or cuda")
+    max_model_len: int | None = _arg(None, "context length in tokens (none: the model's)", type=int)
+    max_num_seqs: int = _arg(256, "at most this many sequences in one step")
+    max_num_batched_tokens: int = _arg(8192, "at most this many tokens in one step (longer prompts are chunked)")
+    block_size: int = _arg(16, "tokens per KV-cache block (a power of two)")
+    gpu_memory_utilization: float = _arg(0.9, "fraction of the GPU's memory the engine may use (the KV cache gets "
+                                              "what the weights and activations leave)")
+    num_kv_blocks: int | None = _arg(None, "KV-cache blocks (none: as many as memory allows)", type=int)
+    cpu_kv_cache_gb: float = _arg(2.0, "on the CPU, GiB for the KV cache")
+    enable_prefix_caching: bool = _arg(True, "reuse the KV cache of prompt prefixes computed before")
+    enforce_eager: bool = _arg(False, "no CUDA graphs")
+    scheduling: str = _arg("continuous", "continuous batching, or static (a batch runs to its end before the next)",
+                           choices=("continuous", "static"))
+    # None: on for CUDA, where the host is the bottleneck; off on the CPU, where nothing runs concurrently and
+    # a stopped sequence's extra token would cost.
+    async_scheduling: bool | None = _arg(None, "schedule step N+1 while the device runs step N (none: on for CUDA, "
+                                               "off on the CPU)", type=bool)
+    tensor_parallel_size: int = _arg(1, "split the model over this many processes (GPUs on CUDA, gloo ranks on the "
+                                        "CPU)", aliases=("-tp",))
+    skip_tokenizer_init: bool = _arg(False, "load no tokenizer (a random-weight model has none): prompts and outputs "
+                                            "are token ids")
+    seed: int = _arg(0, "seed of the draws of requests that give none")
 
     def __post_init__(self) -> None:
         if self.scheduling not in ("continuous", "static"):

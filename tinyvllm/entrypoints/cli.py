@@ -3,56 +3,59 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import itertools
 import sys
 from collections.abc import Iterator
 from typing import Any
 
+from tinyvllm.config import EngineConfig
 from tinyvllm.sampling_params import SamplingParams
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="model directory or .gguf file (default: embedded SmolLM2-135M)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--scheduling", default="continuous", choices=["continuous", "static"])
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="split the model over this many processes (GPUs on CUDA; gloo ranks on the CPU)")
-    g.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
-                   help="schedule the next step while the GPU runs this one (default: on for CUDA, off on the CPU)")
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per EngineConfig field (`max_num_seqs` -> --max-num-seqs), with its help and default from
+    the field itself; `skip`: fields this command sets on its own."""
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in skip:
+            continue
+        meta = f.metadata
+        kwargs: dict[str, Any] = dict(default=f.default, help=meta["help"])
+        kind = meta.get("type", type(f.default))
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif "choices" in meta:
+            kwargs["choices"] = meta["choices"]
+        else:
+            kwargs["type"] = kind
+        group.add_argument("--" + f.name.replace("_", "-"), *meta.get("aliases", ()), **kwargs)
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-                num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
-                enforce_eager=args.enforce_eager, scheduling=args.scheduling,
-                async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size)
+def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+    return EngineConfig.from_kwargs(**{**values, **overrides})
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help="at most this many tokens per completion")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of this probability")
+    g.add_argument("--top-k", type=int, default=-1, help="sample from the k most likely tokens (-1: all)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the most likely")
+    g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    g.add_argument("-n", type=int, default=1, help="completions per prompt")
+    g.add_argument("--stop", action="append", default=None, help="stop at this string (repeatable)")
+    g.add_argument("--logprobs", type=int, default=None,
+                   help="print each token's log-probability and this many alternatives")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, seed=args.seed)
+                          top_k=args.top_k, min_p=args.min_p, seed=args.seed, n=args.n, stop=args.stop,
+                          logprobs=args.logprobs)
 
 
 def stream(llm: Any, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:
@@ -77,7 +80,7 @@ _ids = itertools.count()
 def cmd_generate(args: argparse.Namespace) -> int:
     from tinyvllm import LLM
 
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**vars(engine_config(args)))
     params = sampling_params(args)
     prompt: str | list[int] = args.prompt
     tokenizer = llm.get_tokenizer()
@@ -92,7 +95,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from tinyvllm import LLM
 
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**vars(engine_config(args)))
     params = sampling_params(args)
     history: list[dict[str, str]] = []
     if args.system:
@@ -119,16 +122,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from tinyvllm.server.api import run_server  # fastapi, uvicorn, prometheus_client: only here
+    from tinyvllm.entrypoints.openai.api_server import run_server  # fastapi, uvicorn, prometheus_client: only here
 
-    return run_server(args)
+    args.model = args.model or args.model_tag
+    return run_server(args, engine_config(args))
 
 
 def cmd_bench_latency(args: argparse.Namespace) -> int:
     from tinyvllm import LLM
-    from tinyvllm.bench import run_latency
+    from tinyvllm.entrypoints.bench_offline import run_latency
 
-    llm = LLM(**engine_kwargs(args), skip_tokenizer_init=True)
+    llm = LLM(**vars(engine_config(args, skip_tokenizer_init=True)))
     r = run_latency(llm, args.input_len, args.output_len)
     print(f"latency, batch 1, {args.input_len} prompt tokens, {args.output_len} output tokens: "
           f"TTFT {r['ttft_ms']:.2f} ms, TPOT median {r['tpot_ms_median']:.3f} ms ({r['tok_per_s']:.1f} tok/s)")
@@ -137,9 +141,9 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from tinyvllm import LLM
-    from tinyvllm.bench import run_throughput, throughput_workload
+    from tinyvllm.entrypoints.bench_offline import run_throughput, throughput_workload
 
-    llm = LLM(**engine_kwargs(args), skip_tokenizer_init=True)
+    llm = LLM(**vars(engine_config(args, skip_tokenizer_init=True)))
     prompts, params = throughput_workload(args.num_prompts, max_input=args.max_input_len,
                                           max_output=args.max_output_len,
                                           vocab_size=llm.llm_engine.model_config.vocab_size)
@@ -150,7 +154,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from tinyvllm.bench_serve import main as bench_serve_main
+    from tinyvllm.entrypoints.bench_serve import main as bench_serve_main
 
     return bench_serve_main(args)
 
@@ -158,60 +162,62 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` (default: $TINYVLLM_API_KEY; none if unset)")
     g.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
     g.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="on SIGINT/SIGTERM, seconds to wait for open connections before closing them")
-    g.add_argument("--skip-tokenizer-init", action="store_true",
-                   help="load no tokenizer (a random-weight model has none): prompts must be token ids, and the "
-                        "streamed chunks carry no text, one chunk per step that generated tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tinyvllm", description="a small, fast LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
+    # Every subcommand's --help shows each option's default.
+    add_parser = functools.partial(sub.add_parser, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
-    p = sub.add_parser("generate", help="generate a completion for one prompt, streamed")
+    p = add_parser("generate", help="generate a completion for one prompt, streamed")
     p.add_argument("prompt")
     p.add_argument("--no-chat", action="store_true", help="send the raw prompt, without the chat template")
-    add_engine_args(p)
+    add_engine_args(p, skip=("seed",))  # (--seed is the request's)
     add_sampling_args(p, max_tokens=256)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("chat", help="an interactive conversation (reads lines from stdin; /exit ends it)")
+    p = add_parser("chat", help="an interactive conversation (reads lines from stdin; /exit ends it)")
     p.add_argument("--system", default=None, help="a system prompt")
-    add_engine_args(p)
+    add_engine_args(p, skip=("seed",))
     add_sampling_args(p, max_tokens=512)
     p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    p = add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as --model (`tinyvllm serve PATH`, as `vllm serve`)")
     add_serve_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
-    bench = sub.add_parser("bench", help="benchmarks")
+    bench = add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from tinyvllm.bench_serve import add_cli_args as add_bench_serve_args
+    add_bench = functools.partial(bench_sub.add_parser, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from tinyvllm.entrypoints.bench_serve import add_cli_args as add_bench_serve_args
 
-    p = bench_sub.add_parser("serve", help="load an OpenAI-compatible server and report throughput and latency")
+    p = add_bench("serve", help="load an OpenAI-compatible server and report throughput and latency")
     add_bench_serve_args(p)
     p.set_defaults(func=cmd_bench_serve)
 
-    p = bench_sub.add_parser("latency", help="batch-1 time to first token and time per output token")
+    p = add_bench("latency", help="batch-1 time to first token and time per output token")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
-    add_engine_args(p)
+    add_engine_args(p, skip=("skip_tokenizer_init",))  # (random weights: token ids only)
     p.set_defaults(func=cmd_bench_latency)
 
-    p = bench_sub.add_parser("throughput", help="offline output tokens per second (nano-vllm's bench workload)")
+    p = add_bench("throughput", help="offline output tokens per second (nano-vllm's bench workload)")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--max-input-len", type=int, default=1024)
     p.add_argument("--max-output-len", type=int, default=1024)
-    add_engine_args(p)
+    add_engine_args(p, skip=("skip_tokenizer_init",))
     p.set_defaults(func=cmd_bench_throughput)
     return parser
 

@@ -1,0 +1,233 @@
+"""What the OpenAI routes share: errors in OpenAI's shape, server-sent events, and OpenAIServing, the base
+of the completion and chat handlers (model check, prompts through the engine's input processor, sampling
+parameters, running a request to its end), which also answers /v1/models, /tokenize and /detokenize."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tinyvllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestAbortedError, RequestStream
+from tinyvllm.engine.input_processor import ProcessedInput
+from tinyvllm.entrypoints.openai.metrics import RequestTracker, ServerMetrics
+from tinyvllm.entrypoints.openai.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    SamplingFields,
+    TokenizeRequest,
+    TokenizeResponse,
+    UsageInfo,
+)
+from tinyvllm.outputs import Logprob
+from tinyvllm.sampling_params import SamplingParams
+
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
+
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                405: "MethodNotAllowedError", 422: "BadRequestError", 500: "InternalServerError",
+                503: "ServiceUnavailableError"}
+
+
+class APIError(Exception):
+    """An error the client caused or should know about, sent as OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    info = ErrorInfo(message=message, type=_ERROR_TYPES.get(status, "Error"), param=param, code=status)
+    return ErrorResponse(error=info).model_dump()
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose `on_close` runs however the response ends: finished, failed, or the
+    client gone before the first byte (when the body generator never even starts)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+class Choice:
+    """One completion (of one prompt) as its deltas arrive."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+
+class OpenAIServing:
+    """The handlers' common ground, over one engine and one served model name."""
+
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.model_name = served_model_name
+        self.tokenizer = engine.tokenizer
+        self.inputs = engine.input_processor  # (it tokenizes with the server's own copy of the tokenizer)
+        self.max_model_len = engine.max_model_len
+        self.metrics = metrics
+
+    # ---- checks and conversions -------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist: this server serves `{self.model_name}`.",
+                           "model")
+
+    def prompt_token_ids(self, prompt: Any) -> list[list[int]]:
+        """A completion request's prompt (text, token ids, or a list of either) as token-id lists."""
+        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        return [self.inputs.tokenize(p)[1] for p in prompt]
+
+    def process(self, token_ids: list[int], params: SamplingParams) -> ProcessedInput:
+        return self.inputs.process(token_ids, params, decode_prompt=False)
+
+    @staticmethod
+    def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=body.n,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=-1 if body.top_k is None else body.top_k,
+                min_p=0.0 if body.min_p is None else body.min_p,
+                seed=body.seed,
+                max_tokens=max_tokens,
+                min_tokens=body.min_tokens,
+                stop=body.stop,
+                stop_token_ids=body.stop_token_ids,
+                ignore_eos=body.ignore_eos,
+                logprobs=logprobs,
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                skip_special_tokens=body.skip_special_tokens,
+                include_stop_str_in_output=body.include_stop_str_in_output,
+            )
+        except ValueError as e:
+            raise APIError(400, str(e), param_of(str(e), body)) from e
+
+    async def add(self, requests: list[tuple[str, ProcessedInput]]) -> RequestStream:
+        try:
+            return await self.engine.add_requests(requests)
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+        except EngineDeadError as e:
+            raise APIError(503, str(e)) from e
+
+    async def collect(self, stream: RequestStream, raw_request: Request, tracker: RequestTracker,
+                      choices: dict[tuple[str, int], Choice]) -> dict[str, int]:
+        """Run a non-streamed request to its end, accumulating each completion's deltas; returns the
+        cached prompt tokens per engine request. A client that goes away aborts it."""
+        cached: dict[str, int] = {}
+
+        async def consume() -> None:
+            async for output in stream:
+                tracker.observe(output)
+                cached[output.request_id] = output.num_cached_tokens
+                for completion in output.outputs:
+                    choice = choices[(output.request_id, completion.index)]
+                    choice.text.append(completion.text)
+                    choice.token_ids.extend(completion.token_ids)
+                    choice.logprobs.extend(completion.logprobs or [])
+                    if completion.finish_reason is not None:
+                        choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
+
+        task = asyncio.create_task(consume())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.5)
+                if not task.done() and await raw_request.is_disconnected():
+                    raise ClientGone()
+            task.result()
+        except (RequestAbortedError, EngineDeadError) as e:
+            raise APIError(503, f"the request was aborted: {e}") from e
+        finally:
+            if not task.done():
+                task.cancel()
+            stream.abort()
+        return cached
+
+    # ---- the rest ---------------------------------------------------------------------------------
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name, root=self.engine.model_path,
+                                         max_model_len=self.max_model_len)])
+
+    def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt or messages", "prompt")
+        self.inputs.need_tokenizer("/tokenize")
+        if body.prompt is not None:
+            ids = self.inputs.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)[1]
+        else:
+            ids = self.inputs.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages or []],
+                                                  body.add_generation_prompt, None)
+        strs = list(self.tokenizer.convert_ids_to_tokens(ids)) if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
+
+    def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(body.model)
+        self.inputs.check_token_ids(body.tokens, "tokens")
+        return DetokenizeResponse(prompt=self.inputs.need_tokenizer("/detokenize").decode(body.tokens))
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its (non-streamed) response was ready."""
+
+
+def to_json(body: dict[str, Any]) -> str:
+    return json.dumps(body)
+
+
+def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+
+
+def token_text(token_id: int, logprob: Logprob, tokenizer: Any) -> str:
+    if logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
+
+def param_of(message: str, body: Any) -> str | None:
+    """The request field a SamplingParams message is about (its messages start with the field's name)."""
+    word = message.split(" ", 1)[0]
+    return word if word in type(body).model_fields else None
+

@@ -1,0 +1,130 @@
+"""POST /v1/chat/completions: the conversation through the model's chat template, n completions, answered
+whole or streamed as server-sent events."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tinyvllm.engine.async_engine import EngineDeadError, RequestAbortedError, RequestStream
+from tinyvllm.entrypoints.openai.metrics import RequestTracker
+from tinyvllm.entrypoints.openai.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
+from tinyvllm.entrypoints.openai.serving import (
+    APIError,
+    Choice,
+    EventStream,
+    OpenAIServing,
+    error_body,
+    sse,
+    to_json,
+    token_text,
+    usage_info,
+)
+from tinyvllm.outputs import Logprob
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create_chat_completion(self, body: ChatCompletionRequest, raw_request: Request) -> Response:
+        self.check_model(body.model)
+        if not body.messages:
+            raise APIError(400, "messages must not be empty", "messages")
+        top_logprobs = None
+        if body.logprobs:
+            top_logprobs = body.top_logprobs or 0
+        elif body.top_logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        ids = self.inputs.apply_chat_template(messages, body.add_generation_prompt, body.chat_template)
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        processed = self.process(ids, self.sampling_params(body, requested, top_logprobs))
+        request_id = random_id("chatcmpl")
+        tracker = self.metrics.tracker()
+        stream = await self.add([(request_id, processed)])
+        if body.stream:
+            options = body.stream_options
+            return EventStream(self._stream_chat(stream, request_id, body.n, len(ids), tracker, top_logprobs,
+                                                  bool(options and options.include_usage),
+                                                  bool(options and options.continuous_usage_stats)),
+                                stream.abort)
+        choices = {(request_id, k): Choice() for k in range(body.n)}
+        cached = await self.collect(stream, raw_request, tracker, choices)
+        result = []
+        for (_, index), choice in choices.items():
+            logprobs = None
+            if top_logprobs is not None:
+                logprobs = ChatChoiceLogprobs(content=chat_logprobs(choice.token_ids, choice.logprobs, top_logprobs,
+                                                                     self.tokenizer))
+            result.append(ChatCompletionChoice(index=index, message=ChatResponseMessage(content="".join(choice.text)),
+                                               logprobs=logprobs, finish_reason=choice.finish_reason,
+                                               stop_reason=choice.stop_reason))
+        usage = usage_info(len(ids), sum(len(c.token_ids) for c in choices.values()), sum(cached.values()))
+        response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=result, usage=usage)
+        return JSONResponse(response.model_dump())
+
+    async def _stream_chat(self, stream: RequestStream, request_id: str, n: int, prompt_tokens: int,
+                           tracker: RequestTracker, top_logprobs: int | None, include_usage: bool,
+                           continuous_usage: bool) -> AsyncIterator[str]:
+        completion_tokens = 0
+        cached = 0
+
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+            return sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices,
+                                            usage=usage).model_dump_json())
+
+        try:
+            for index in range(n):
+                yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+            async for output in stream:
+                tracker.observe(output)
+                cached = output.num_cached_tokens
+                for completion in output.outputs:
+                    completion_tokens += len(completion.token_ids)
+                    if not completion.text and completion.finish_reason is None and top_logprobs is None:
+                        continue
+                    logprobs = None
+                    if top_logprobs is not None:
+                        logprobs = ChatChoiceLogprobs(content=chat_logprobs(
+                            completion.token_ids, completion.logprobs or [], top_logprobs, self.tokenizer))
+                    choice = ChatStreamChoice(index=completion.index, delta=DeltaMessage(content=completion.text),
+                                              logprobs=logprobs, finish_reason=completion.finish_reason,
+                                              stop_reason=completion.stop_reason)
+                    usage = usage_info(prompt_tokens, completion_tokens, cached) if continuous_usage else None
+                    yield chunk([choice], usage)
+            if include_usage:
+                yield chunk([], usage_info(prompt_tokens, completion_tokens, cached))
+        except (RequestAbortedError, EngineDeadError) as e:
+            yield sse(to_json(error_body(503, f"the request was aborted: {e}")))
+        finally:
+            stream.abort()
+        yield sse("[DONE]")
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int,
+                   tokenizer: Any) -> list[TokenLogprob]:
+    """The chat shape: per token its text, logprob and UTF-8 bytes, and the top_n most likely tokens."""
+    result = []
+    for token_id, entry in zip(token_ids, logprobs):
+        chosen = entry[token_id]
+        text = token_text(token_id, chosen, tokenizer)
+        top = sorted((item for item in entry.items() if item[1].rank <= top_n), key=lambda item: item[1].rank)
+        result.append(TokenLogprob(
+            token=text, logprob=chosen.logprob, bytes=list(text.encode()),
+            top_logprobs=[TopLogprob(token=(s := token_text(t, lp, tokenizer)), logprob=lp.logprob,
+                                     bytes=list(s.encode())) for t, lp in top[:top_n]]))
+    return result
+
