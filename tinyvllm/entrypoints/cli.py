@@ -86,9 +86,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tokenizer = llm.get_tokenizer()
     if not args.no_chat and tokenizer is not None and tokenizer.chat_template:
         prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
-    for text in stream(llm, prompt, params):
-        print(text, end="", flush=True)
-    print()
+    if params.n == 1 and params.logprobs is None:
+        for text in stream(llm, prompt, params):
+            print(text, end="", flush=True)
+        print()
+        return 0
+    # Several completions, or logprobs: each completion whole, then its tokens' log-probabilities.
+    for completion in llm.generate(prompt, params, use_tqdm=False)[0].outputs:
+        if params.n > 1:
+            print(f"--- completion {completion.index} ({completion.finish_reason}) ---")
+        print(completion.text)
+        for token_id, entry in zip(completion.token_ids, completion.logprobs or []):
+            alternatives = ", ".join(f"{lp.decoded_token!r} {lp.logprob:.3f}" for t, lp in
+                                     sorted(entry.items(), key=lambda item: item[1].rank) if t != token_id)
+            chosen = entry[token_id]
+            print(f"  {chosen.decoded_token!r:>16} {chosen.logprob:8.3f}" + (f"   ({alternatives})" if alternatives
+                                                                                else ""))
     return 0
 
 
