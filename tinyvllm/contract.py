@@ -74,16 +74,24 @@ class EngineCoreOutput:
 
 @dataclass
 class StepStats:
-    """One engine step, for whoever watches (benchmarks, tests, metrics): LLMEngine.add_step_callback."""
+    """One engine step, for whoever watches (benchmarks, tests, metrics): LLMEngine.add_step_callback. With
+    async scheduling a step is launched during the step before it: its times are its own all the same."""
 
     num_seqs: int  # sequences in the step
-    num_prefill_tokens: int  # tokens of prompts (or of recomputation after a preemption)
-    num_decode_tokens: int
+    num_prefill_tokens: int  # prompt tokens computed (prefix-cache hits not counted)
+    num_decode_tokens: int  # the step's other tokens
     num_inputs_in_flight: int  # input tokens taken on the device from the step before (async scheduling)
     num_running: int
     num_waiting: int
     num_blocks_used: int
     num_blocks: int
     num_preemptions: int  # in this step
-    host_ms: float  # scheduling and launching the step, and processing its output, on the host
+    schedule_ms: float  # the scheduler's decision
+    launch_ms: float  # the model runner: inputs, forward pass and sampler launched (on the CPU: run)
+    wait_ms: float = 0.0  # waiting for the sampled tokens: device time the host could not hide
+    update_ms: float = 0.0  # the scheduler taking the tokens (stop checks, freeing, prefix cache)
     gpu_ms: float | None = None  # the step's device time (with record_gpu_time)
+
+    @property
+    def host_ms(self) -> float:
+        return self.schedule_ms + self.launch_ms + self.update_ms

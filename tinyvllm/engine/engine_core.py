@@ -166,18 +166,20 @@ class EngineCore:
                 return []
         if self.async_scheduling and not in_flight.output.has_penalties:  # penalties need the tokens on the host
             self._in_flight = self._launch()
-        result = in_flight.output.get()
         start = time.perf_counter()
+        result = in_flight.output.get()
+        waited = time.perf_counter()
         outputs = self.scheduler.update_from_output(in_flight.step, result)
         for output in outputs:
             if output.finish_reason is not None:
                 self._forget_if_done(output.request_id)
         self.num_generation_tokens += len(outputs)
-        if in_flight.stats is not None:
-            in_flight.stats.host_ms += (time.perf_counter() - start) * 1e3
-            in_flight.stats.gpu_ms = result.gpu_time_ms
+        stats = in_flight.stats
+        if stats is not None:
+            stats.wait_ms, stats.update_ms = (waited - start) * 1e3, (time.perf_counter() - waited) * 1e3
+            stats.gpu_ms = result.gpu_time_ms
             for callback in self.step_callbacks:
-                callback(in_flight.stats)
+                callback(stats)
         return outputs
 
     def _launch(self) -> _Launched | None:
@@ -188,9 +190,11 @@ class EngineCore:
         step = scheduler.schedule()
         if step.is_empty():
             return None
+        scheduled = time.perf_counter()
         output = self.model_runner.execute(step, self.record_gpu_time)
         stats = None
         if self.step_callbacks:
+            launched = time.perf_counter()
             num_prefill = scheduler.num_prompt_tokens - prompt_tokens
             seqs = scheduler.seqs
             # (Its last input is in flight: the step computes a token that is not read back yet.)
@@ -198,8 +202,8 @@ class EngineCore:
             bm = self.block_manager
             stats = StepStats(len(step.seq_ids), num_prefill, step.num_batched_tokens - num_prefill, in_flight,
                               len(scheduler.running), len(scheduler.waiting), bm.num_blocks - bm.num_free_blocks,
-                              bm.num_blocks, scheduler.num_preemptions - preemptions,
-                              (time.perf_counter() - start) * 1e3)
+                              bm.num_blocks, scheduler.num_preemptions - preemptions, (scheduled - start) * 1e3,
+                              (launched - scheduled) * 1e3)
         return _Launched(step, output, stats)
 
     def get_stats(self) -> dict[str, float]:
