@@ -21,7 +21,6 @@ from tinyvllm.ops.attention import (  # noqa: E402
     paged_prefill_triton,
 )
 from tinyvllm.ops.embedding import embedding_ref, embedding_triton  # noqa: E402
-from tinyvllm.ops.kv_cache import store_kv_ref, store_kv_triton  # noqa: E402
 from tinyvllm.ops.layernorm import (  # noqa: E402
     fused_add_rms_norm_ref,
     fused_add_rms_norm_triton,
@@ -33,8 +32,6 @@ from tinyvllm.ops.rotary import (  # noqa: E402
     build_cos_sin_cache,
     rotary_embedding_and_store_ref,
     rotary_embedding_and_store_triton,
-    rotary_embedding_ref,
-    rotary_embedding_triton,
 )
 from tinyvllm.ops.sampling import sample_triton  # noqa: E402
 
@@ -110,29 +107,18 @@ def test_fused_add_rms_norm(dtype: torch.dtype) -> None:
     _close(normed, ref_normed)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rotary_embedding_in_place(head_dim: int, dtype: torch.dtype) -> None:
-    scaling = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
-    scaling["original_max_position_embeddings"] = 64
-    cache = build_cos_sin_cache(head_dim, 200, 500000.0, scaling, torch.device("cpu"))
-    positions = torch.randint(0, 200, (6,))
-    # q and k as views of one fused qkv projection (rows not contiguous), as the model produces them
-    qkv = torch.randn(6, (4 + 2 + 2) * head_dim).to(dtype)
-    q = qkv[:, : 4 * head_dim].view(6, 4, head_dim)
-    k = qkv[:, 4 * head_dim : 6 * head_dim].view(6, 2, head_dim)
-    ref_q, ref_k = rotary_embedding_ref(positions, q.clone(), k.clone(), cache)
-    out_q, out_k = rotary_embedding_triton(positions, q, k, cache)
-    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
-    _close(q, ref_q)
-    _close(k, ref_k)
+# Llama 3 frequency scaling, with a short original context so that all three bands occur in 200 positions
+LLAMA3_SCALING = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
 
 
-@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 2), (9, 3)])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, scaling", [
+    (4, 2, 64, None), (9, 3, 64, LLAMA3_SCALING), (4, 2, 128, LLAMA3_SCALING)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_embedding_and_store(num_q_heads: int, num_kv_heads: int, dtype: torch.dtype) -> None:
-    num_blocks, block_size, head_dim, tokens = 4, 8, 64, 6
-    cache = build_cos_sin_cache(head_dim, 200, 500000.0, None, torch.device("cpu"))
+def test_rotary_embedding_and_store(num_q_heads: int, num_kv_heads: int, head_dim: int, scaling: dict | None,
+                                    dtype: torch.dtype) -> None:
+    num_blocks, block_size, tokens = 4, 8, 6
+    cache = build_cos_sin_cache(head_dim, 200, 500000.0, scaling, torch.device("cpu"))
     positions = torch.randint(0, 200, (tokens,))
     slots = torch.tensor([9, -1, 30, 0, -1, 17], dtype=torch.int64)  # two padding tokens
     # q, k and v as views of one fused qkv projection, as the model produces them
@@ -160,20 +146,6 @@ def test_rotary_embedding_and_store(num_q_heads: int, num_kv_heads: int, dtype: 
 def test_silu_and_mul(dtype: torch.dtype) -> None:
     x = (3 * torch.randn(5, 2 * 1100)).to(dtype)  # two column tiles, the second partial
     _close(silu_and_mul_triton(x), silu_and_mul_ref(x))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_store_kv_skips_padding(dtype: torch.dtype) -> None:
-    num_blocks, block_size, kv_heads, head_dim = 6, 16, 3, 64
-    k, v = torch.randn(5, kv_heads, head_dim).to(dtype), torch.randn(5, kv_heads, head_dim).to(dtype)
-    slots = torch.tensor([17, -1, 3, 95, 40], dtype=torch.int64)
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
-    ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    store_kv_ref(k, v, ref_k, ref_v, slots)
-    store_kv_triton(k, v, k_cache, v_cache, slots)
-    torch.testing.assert_close(k_cache, ref_k, atol=0, rtol=0)
-    torch.testing.assert_close(v_cache, ref_v, atol=0, rtol=0)
 
 
 # ------------------------------------------------------------------------------------------------ attention

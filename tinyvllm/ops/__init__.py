@@ -15,10 +15,9 @@ import torch
 from tinyvllm.ops.activation import silu_and_mul_ref
 from tinyvllm.ops.attention import AttentionMetadata, paged_attention_ref
 from tinyvllm.ops.embedding import embedding_ref
-from tinyvllm.ops.kv_cache import store_kv_ref
 from tinyvllm.ops.layernorm import fused_add_rms_norm_ref, rms_norm_ref
 from tinyvllm.ops.linear import skinny_matmul_ref
-from tinyvllm.ops.rotary import build_cos_sin_cache, rotary_embedding_and_store_ref, rotary_embedding_ref
+from tinyvllm.ops.rotary import build_cos_sin_cache, rotary_embedding_and_store_ref
 from tinyvllm.ops.sampling import sample_ref
 
 __all__ = [
@@ -27,11 +26,9 @@ __all__ = [
     "embedding",
     "rms_norm",
     "fused_add_rms_norm",
-    "rotary_embedding",
     "rotary_embedding_and_store",
     "silu_and_mul",
     "skinny_matmul",
-    "store_kv",
     "paged_attention",
     "sample",
     "triton_available",
@@ -82,10 +79,8 @@ def _dispatch(name: str, reference: Callable[..., Any]) -> Callable[..., Any]:
 embedding = _dispatch("embedding", embedding_ref)
 rms_norm = _dispatch("rms_norm", rms_norm_ref)
 fused_add_rms_norm = _dispatch("fused_add_rms_norm", fused_add_rms_norm_ref)
-rotary_embedding = _dispatch("rotary_embedding", rotary_embedding_ref)
 rotary_embedding_and_store = _dispatch("rotary_embedding_and_store", rotary_embedding_and_store_ref)
 silu_and_mul = _dispatch("silu_and_mul", silu_and_mul_ref)
 skinny_matmul = _dispatch("skinny_matmul", skinny_matmul_ref)
-store_kv = _dispatch("store_kv", store_kv_ref)
 paged_attention = _dispatch("paged_attention", paged_attention_ref)
 sample = _dispatch("sample", sample_ref)

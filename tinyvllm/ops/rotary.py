@@ -7,8 +7,6 @@ from typing import Any
 
 import torch
 
-from tinyvllm.ops.kv_cache import store_kv_ref
-
 try:
     import triton
     import triton.language as tl
@@ -45,6 +43,17 @@ def build_cos_sin_cache(
     inv_freq = rope_inv_freq(head_dim, theta, scaling)
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
     return torch.cat([angles.cos(), angles.sin()], dim=-1).to(device)
+
+
+def store_kv_ref(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """k, v [T, Hk, D] into k_cache, v_cache [num_blocks, block_size, Hk, D] at flat slot
+    slot_mapping[t] = block * block_size + offset; a slot of -1 (padding) is skipped. In place."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[valid].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[valid].to(v_cache.dtype)
 
 
 def rotary_embedding_ref(
@@ -111,22 +120,7 @@ if triton is not None:
         sin = tl.load(cache_ptr + position * stride_cache + HALF + cols)[None, :]
         return cos, sin
 
-    @triton.jit
-    def _rotary_kernel(
-        q_ptr, k_ptr, positions_ptr, cache_ptr,
-        stride_qt, stride_qh, stride_kt, stride_kh, stride_cache, num_q_heads, num_kv_heads,
-        HALF: tl.constexpr, BLOCK_Q_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr, USE_PDL: tl.constexpr,
-    ):
-        pdl_wait(USE_PDL)
-        token = tl.program_id(0).to(tl.int64)
-        cos, sin = _load_cos_sin(positions_ptr, cache_ptr, token, stride_cache, HALF)
-        q = q_ptr + token * stride_qt
-        k = k_ptr + token * stride_kt
-        _rotate_heads(q, stride_qh, q, stride_qh, num_q_heads, cos, sin, HALF, BLOCK_Q_HEADS)
-        _rotate_heads(k, stride_kh, k, stride_kh, num_kv_heads, cos, sin, HALF, BLOCK_KV_HEADS)
-
-    # The rotary kernel with the KV store folded in (one launch per layer instead of two): q is rotated in
-    # place; for slot = slot_mapping[t] >= 0 the rotated k and v go to the cache at
+    # One program per token rotates q in place; for slot = slot_mapping[t] >= 0 the rotated k and v go to the cache at
     # [slot // block_size, slot % block_size] (k itself is left as it was).
     @triton.jit
     def _rotary_and_store_kernel(
@@ -153,27 +147,6 @@ if triton is not None:
             v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
             v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + heads * stride_vch + dims
             tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
-
-def rotary_embedding_triton(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """rotary_embedding_ref's rotation, done IN PLACE on q and k (views of a fused qkv output are fine
-    as long as each head's values are contiguous); returns (q, k)."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    half = head_dim // 2
-    if half & (half - 1) or q.stride(2) != 1 or k.stride(2) != 1 or cos_sin_cache.stride(1) != 1:
-        raise ValueError("rotary_embedding_triton needs a power-of-two head_dim and contiguous heads")
-    if num_tokens == 0:
-        return q, k
-    block_q = triton.next_power_of_2(num_q_heads)
-    _rotary_kernel[(num_tokens,)](
-        q, k, positions.contiguous(), cos_sin_cache,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), num_q_heads, k.shape[1],
-        HALF=half, BLOCK_Q_HEADS=block_q, BLOCK_KV_HEADS=triton.next_power_of_2(k.shape[1]),
-        num_warps=4 if block_q * half <= 1024 else 8, **pdl_options(q),
-    )
-    return q, k
 
 
 def rotary_embedding_and_store_triton(

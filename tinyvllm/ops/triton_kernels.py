@@ -11,19 +11,16 @@ import triton  # noqa: F401  (fail here, not at the first call, where Triton is 
 from tinyvllm.ops.activation import silu_and_mul_triton
 from tinyvllm.ops.attention import paged_attention_triton
 from tinyvllm.ops.embedding import embedding_triton
-from tinyvllm.ops.kv_cache import store_kv_triton
 from tinyvllm.ops.layernorm import fused_add_rms_norm_triton, rms_norm_triton
-from tinyvllm.ops.rotary import rotary_embedding_and_store_triton, rotary_embedding_triton
+from tinyvllm.ops.rotary import rotary_embedding_and_store_triton
 from tinyvllm.ops.sampling import sample_triton
 
 KERNELS: dict[str, Callable[..., Any]] = {
     "embedding": embedding_triton,
     "rms_norm": rms_norm_triton,
     "fused_add_rms_norm": fused_add_rms_norm_triton,
-    "rotary_embedding": rotary_embedding_triton,
     "rotary_embedding_and_store": rotary_embedding_and_store_triton,
     "silu_and_mul": silu_and_mul_triton,
-    "store_kv": store_kv_triton,
     "paged_attention": paged_attention_triton,
     "sample": sample_triton,
 }
