@@ -1,4 +1,4 @@
-"""The latency and throughput workloads of shared/BENCHMARKS.md, for `tinyvllm bench` and benchmarks/."""
+"""The latency and throughput workloads of docs/benchmarks.md, for `tinyvllm bench` and benchmarks/."""
 
 from __future__ import annotations
 

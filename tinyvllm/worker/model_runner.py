@@ -20,8 +20,7 @@ from tinyvllm.worker.cuda_graphs import CudaGraphs
 from tinyvllm.worker.input_batch import LOGPROBS, MIN_TOKENS, PENALTIES, InputBatch
 from tinyvllm.worker.kv_cache import decide_num_blocks
 from tinyvllm.worker.sampler import AsyncModelRunnerOutput, Sampler, SamplingTensors, step_seeds
-from tinyvllm.worker.staging import Staging, views
-from tinyvllm.worker.tp_worker import broadcast_step, broadcast_stop, receive_step
+from tinyvllm.worker.staging import Staging, broadcast_step, broadcast_stop, receive_step, views
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,10 @@
 """A step's host arrays, by name, packed into one buffer and copied to the device in one transfer (and,
 with tensor parallelism, broadcast to the other ranks as one tensor).
 
+With tensor parallelism each step goes out as a fixed-size int64 header (what kind of message, the packed
+buffer's size, the batch's two maxima, and for each array its field name's index in FIELDS, offset, dtype
+and shape), then the packed buffer; the other ranks rebuild the named tensors from them.
+
 On CUDA the buffer is pinned (allocating pinned memory per step costs more than the copy). There are two,
 used in turn: step N+1 is packed while step N's copy may still wait behind step N-1 in the stream (async
 scheduling), but N-1's copy is done, since N-1's tokens have been read back."""
@@ -11,6 +15,9 @@ import math
 
 import numpy as np
 import torch
+import torch.distributed as dist
+
+from tinyvllm.distributed import TensorParallel
 
 # Every array a step may carry, in a fixed order: the layout names each by its place here, so that the
 # other tensor-parallel ranks read fields by name and a new field cannot shift the others.
@@ -73,3 +80,44 @@ def views(buffer: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
         view = buffer[offset:offset + nbytes].view(dtype)
         result[FIELDS[index]] = view if len(shape) == 1 else view.view(shape)
     return result
+
+
+_HEADER_SIZE = 128
+_STEP, _STOP = 1, 2
+_FIELDS_PER_ARRAY = 6  # field index, offset, dtype code, ndim, and two dimensions
+
+
+def broadcast_step(buffer: torch.Tensor, layout: Layout, max_query_len: int, max_context_len: int,
+                   tp: TensorParallel) -> None:
+    """Rank 0: send a step's packed inputs to the other ranks."""
+    fields = [_STEP, buffer.numel(), max_query_len, max_context_len, len(layout)]
+    for index, offset, code, shape in layout:
+        fields += [index, offset, code, len(shape), *shape, *[0] * (2 - len(shape))]
+    header = torch.zeros(_HEADER_SIZE, dtype=torch.int64)
+    header[: len(fields)] = torch.tensor(fields)
+    dist.broadcast(header.to(buffer.device), src=0, group=tp.group)
+    dist.broadcast(buffer, src=0, group=tp.group)
+
+
+def broadcast_stop(tp: TensorParallel, device: torch.device) -> None:
+    """Rank 0: tell the other ranks' step loops to return."""
+    header = torch.zeros(_HEADER_SIZE, dtype=torch.int64, device=device)
+    header[0] = _STOP
+    dist.broadcast(header, src=0, group=tp.group)
+
+
+def receive_step(tp: TensorParallel, device: torch.device) -> tuple[dict[str, torch.Tensor], int, int] | None:
+    """Ranks 1..N-1: the next step's named inputs and its two maxima, or None when rank 0 says stop."""
+    header = torch.empty(_HEADER_SIZE, dtype=torch.int64, device=device)
+    dist.broadcast(header, src=0, group=tp.group)
+    fields = header.tolist()
+    if fields[0] == _STOP:
+        return None
+    total, max_query_len, max_context_len, num_arrays = fields[1:5]
+    layout = []
+    for i in range(num_arrays):
+        index, offset, code, ndim, *shape = fields[5 + _FIELDS_PER_ARRAY * i:5 + _FIELDS_PER_ARRAY * (i + 1)]
+        layout.append((index, offset, code, tuple(shape[:ndim])))
+    buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    dist.broadcast(buffer, src=0, group=tp.group)
+    return views(buffer, layout), max_query_len, max_context_len

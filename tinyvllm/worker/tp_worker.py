@@ -1,9 +1,8 @@
 """Tensor parallelism's other ranks: one process each (torch.multiprocessing, spawned), holding its shard
 of the model and of the KV cache, running the steps rank 0 (the engine's process) broadcasts.
 
-Each step goes out as a fixed-size int64 header (what kind of message, the packed buffer's size, the
-batch's two maxima, and for each array its field name's index in staging.FIELDS, offset, dtype and shape),
-then the packed buffer; the other ranks rebuild the named tensors from them.
+Rank 0 sends each step's packed inputs (staging.broadcast_step); the ranks here run them
+(ModelRunner.serve_steps).
 
 Rank 0 checks before every step that the workers are alive, so a worker that died fails the engine with
 its exit code instead of leaving rank 0 waiting in a collective; a worker whose parent dies is killed."""
@@ -19,55 +18,11 @@ import traceback
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tinyvllm.config import EngineConfig
-from tinyvllm.distributed import TensorParallel
-from tinyvllm.worker.staging import Layout, views
 
 logger = logging.getLogger(__name__)
-
-_HEADER_SIZE = 128
-_STEP, _STOP = 1, 2
-_FIELDS_PER_ARRAY = 6  # field index, offset, dtype code, ndim, and two dimensions
-
-
-def broadcast_step(buffer: torch.Tensor, layout: Layout, max_query_len: int, max_context_len: int,
-                   tp: TensorParallel) -> None:
-    """Rank 0: send a step's packed inputs to the other ranks."""
-    fields = [_STEP, buffer.numel(), max_query_len, max_context_len, len(layout)]
-    for index, offset, code, shape in layout:
-        fields += [index, offset, code, len(shape), *shape, *[0] * (2 - len(shape))]
-    header = torch.zeros(_HEADER_SIZE, dtype=torch.int64)
-    header[: len(fields)] = torch.tensor(fields)
-    dist.broadcast(header.to(buffer.device), src=0, group=tp.group)
-    dist.broadcast(buffer, src=0, group=tp.group)
-
-
-def broadcast_stop(tp: TensorParallel, device: torch.device) -> None:
-    """Rank 0: tell the other ranks' step loops to return."""
-    header = torch.zeros(_HEADER_SIZE, dtype=torch.int64, device=device)
-    header[0] = _STOP
-    dist.broadcast(header, src=0, group=tp.group)
-
-
-def receive_step(tp: TensorParallel, device: torch.device) -> tuple[dict[str, torch.Tensor], int, int] | None:
-    """Ranks 1..N-1: the next step's named inputs and its two maxima, or None when rank 0 says stop."""
-    header = torch.empty(_HEADER_SIZE, dtype=torch.int64, device=device)
-    dist.broadcast(header, src=0, group=tp.group)
-    fields = header.tolist()
-    if fields[0] == _STOP:
-        return None
-    total, max_query_len, max_context_len, num_arrays = fields[1:5]
-    layout = []
-    for i in range(num_arrays):
-        index, offset, code, ndim, *shape = fields[5 + _FIELDS_PER_ARRAY * i:5 + _FIELDS_PER_ARRAY * (i + 1)]
-        layout.append((index, offset, code, tuple(shape[:ndim])))
-    buffer = torch.empty(total, dtype=torch.uint8, device=device)
-    dist.broadcast(buffer, src=0, group=tp.group)
-    return views(buffer, layout), max_query_len, max_context_len
-
 
 def free_tcp_init_method() -> str:
     """A rendezvous address on loopback: a port the OS says is free now."""
