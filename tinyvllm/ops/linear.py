@@ -54,7 +54,7 @@ def skinny_matmul_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 _CPU_SMS = 132  # under the interpreter: an H100/H200's count, so that tests pick the splits a GPU would
-_PROGRAMS_PER_SM = 4  # at BLOCK_M = 16 (and for the GEMV); halved for each doubling of BLOCK_M
+_PROGRAMS_PER_SM = 2  # up to 32-row tiles; one per SM for 64-row tiles, which do four times the work
 _MAX_SPLIT = 64
 
 
@@ -65,29 +65,26 @@ def _num_sms(device: torch.device) -> int:
 
 
 def skinny_matmul_config(m: int, n: int, k: int, k_contiguous: bool, num_sms: int = _CPU_SMS) -> SkinnyConfig:
-    """Tiles and split from the shape, as the H200 sweep of benchmarks/bench_kernels.py --gemv-sweep ranked
+    """Tiles and split from the shape, as the H200 sweeps of benchmarks/bench_kernels.py --gemv-sweep ranked
     them (benchmarks/RESULTS.md). A GEMV for one row of the LM head's layout (rows of K contiguous: 16 rows of
-    W per program, 512-byte runs of each). Otherwise tl.dot on 64 columns and 16-64 rows: at M = 1 the rows
-    padded to 16 cost no bandwidth, and its pipelined K loop (cp.async, 3 stages) streamed the input-major
-    projections better than the CUDA-core GEMV did. K steps of 128, but 64 with 16 rows and more than 32
-    column tiles (qkv, gate_up: there the smaller shared-memory footprint won)."""
+    W per program, 512-byte runs of each). Otherwise tl.dot on 64 columns, 16-64 rows and K steps of 128: at
+    M = 1 the rows padded to 16 cost no bandwidth, and its pipelined K loop (cp.async, 3 stages) streamed the
+    input-major projections as well as or better than the CUDA-core GEMV did."""
     if m == 1 and k_contiguous:
         block_m, block_n, block_k = 1, 16, 256
     else:
-        block_m = min(max(16, triton.next_power_of_2(m)), 64)
-        block_n = 64
-        block_k = 64 if block_m == 16 and not k_contiguous and triton.cdiv(n, block_n) > 32 else 128
+        block_m, block_n, block_k = min(max(16, triton.next_power_of_2(m)), 64), 64, 128
     block_k = min(block_k, max(triton.next_power_of_2(k), 16))
     return SkinnyConfig(block_m, block_n, block_k, split_k_for(m, n, k, block_m, block_n, block_k, num_sms))
 
 
 def split_k_for(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, num_sms: int) -> int:
-    """The largest power-of-two split of K that keeps the grid within _PROGRAMS_PER_SM programs per SM (fewer
-    for taller tiles, which do more per program) and leaves at least two BLOCK_K steps per split (the loop's
-    loads then overlap). Splitting past that lost on the H200: more programs each moving less, and a larger
-    reduce in the last program of each tile."""
+    """The largest power-of-two split of K that keeps the grid within _PROGRAMS_PER_SM programs per SM (one
+    for 64-row tiles) and leaves at least two BLOCK_K steps per split (the loop's loads then overlap). More,
+    smaller programs, each moving less and leaving a larger reduce to the last program of a tile, lost on the
+    H200 (down_proj and gate_up at M <= 16, benchmarks/RESULTS.md)."""
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    target = _PROGRAMS_PER_SM * num_sms * 16 // max(block_m, 16)
+    target = (1 if block_m >= 64 else _PROGRAMS_PER_SM) * num_sms
     split = 1
     while 2 * split <= _MAX_SPLIT and tiles * 2 * split <= target and k >= 2 * (2 * split) * block_k:
         split *= 2
