@@ -1,5 +1,6 @@
 """Our Llama forward pass against transformers' LlamaForCausalLM on small random-weight checkpoints."""
 
+import os
 import random
 
 import pytest
@@ -34,11 +35,13 @@ def engines(checkpoint):
     return llm, hf_model(checkpoint)
 
 
-def test_sharded_checkpoint_is_sharded(checkpoint):
-    import os
-
+def test_checkpoint_is_sharded_when_asked(checkpoint):
+    """The "sharded" case really loads from several files (an index), and the others from one."""
+    files = sorted(f for f in os.listdir(checkpoint) if f.endswith(".safetensors"))
     if "sharded" in checkpoint:
-        assert os.path.isfile(os.path.join(checkpoint, "model.safetensors.index.json"))
+        assert os.path.isfile(os.path.join(checkpoint, "model.safetensors.index.json")) and len(files) > 1, files
+    else:
+        assert files == ["model.safetensors"], files
 
 
 def test_logits_match_transformers(engines):

@@ -72,16 +72,9 @@ def rotary_embedding_ref(
     return rotate(q), rotate(k)
 
 
-def rotary_embedding_and_store_ref(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> torch.Tensor:
+def rotary_embedding_and_store_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                   slot_mapping: torch.Tensor) -> torch.Tensor:
     """rotary_embedding_ref, then store_kv_ref of the rotated k and of v (padding slots, -1, are skipped;
     their q is rotated all the same); returns the new q. Attention reads k only from the cache."""
     q, k = rotary_embedding_ref(positions, q, k, cos_sin_cache)
@@ -149,16 +142,9 @@ if triton is not None:
             tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def rotary_embedding_and_store_triton(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> torch.Tensor:
+def rotary_embedding_and_store_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                      cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                      slot_mapping: torch.Tensor) -> torch.Tensor:
     """rotary_embedding_and_store_ref in one kernel: q rotated IN PLACE (views of a fused qkv output are
     fine as long as each head's values are contiguous), the rotated k and v written to their cache slots,
     k itself untouched; returns q."""

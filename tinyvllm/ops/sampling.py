@@ -13,17 +13,9 @@ except ImportError:  # the CPU engine imports the reference on machines without 
 from tinyvllm.ops.pdl import pdl_options, pdl_wait
 
 
-def sample_ref(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    seeds: torch.Tensor,
-    use_top_p: bool | None = None,
-    max_top_k: int | None = None,
-    use_min_p: bool | None = None,
-) -> torch.Tensor:
+def sample_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+               min_p: torch.Tensor, seeds: torch.Tensor, use_top_p: bool | None = None, max_top_k: int | None = None,
+               use_min_p: bool | None = None) -> torch.Tensor:
     """logits [B, V] (any float dtype, read as float32) and per-row parameters [B] -> token ids [B] int64.
 
     A row with temperature 0 is greedy. Otherwise probs = softmax(logits / T), truncated to the top_k
@@ -123,6 +115,14 @@ if triton is not None:
         noise = tl.log(-tl.log(tl.rand(seeds[:, None], cols)))
         return tl.where(keep, x / temperature[:, None] - noise, float("-inf"))
 
+    @triton.jit
+    def _program_chunk(num_rows, vocab, chunk_size, ROWS: tl.constexpr):
+        """This program's ROWS rows (and which are real) and its chunk of the vocabulary: [start, end)."""
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        chunk, num_chunks = tl.program_id(1), tl.num_programs(1)
+        chunk_start = chunk * chunk_size
+        return rows, rows < num_rows, chunk, num_chunks, chunk_start, tl.minimum(chunk_start + chunk_size, vocab)
+
     # Grid (row groups, chunks): ROWS rows (1 unless the whole vocabulary is one chunk) x the tokens
     # [chunk * chunk_size, (chunk + 1) * chunk_size) of each, in one pass:
     #   x_max and its first index over the chunk (a greedy row's answer is the first of the row's max);
@@ -138,11 +138,7 @@ if triton is not None:
         USE_PDL: tl.constexpr,
     ):
         pdl_wait(USE_PDL)
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        row_mask = rows < num_rows
-        chunk, num_chunks = tl.program_id(1), tl.num_programs(1)
-        chunk_start = chunk * chunk_size
-        chunk_end = tl.minimum(chunk_start + chunk_size, vocab)
+        rows, row_mask, chunk, num_chunks, chunk_start, chunk_end = _program_chunk(num_rows, vocab, chunk_size, ROWS)
         base = logits_ptr + rows.to(tl.int64)[:, None] * stride_logits
         temperature = tl.load(temperature_ptr + rows, mask=row_mask, other=0.0)
         race = temperature != 0
@@ -190,15 +186,11 @@ if triton is not None:
         USE_PDL: tl.constexpr,
     ):
         pdl_wait(USE_PDL)
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        row_mask = rows < num_rows
-        chunk, num_chunks = tl.program_id(1), tl.num_programs(1)
+        rows, row_mask, chunk, num_chunks, chunk_start, chunk_end = _program_chunk(num_rows, vocab, chunk_size, ROWS)
         temperature = tl.load(temperature_ptr + rows, mask=row_mask, other=0.0)
         min_p = tl.load(min_p_ptr + rows, mask=row_mask, other=0.0)
         race = row_mask & (temperature != 0) & (min_p > 0)
         if tl.sum(race.to(tl.int32), axis=0) > 0:
-            chunk_start = chunk * chunk_size
-            chunk_end = tl.minimum(chunk_start + chunk_size, vocab)
             base = logits_ptr + rows.to(tl.int64)[:, None] * stride_logits
             chunks = tl.arange(0, CHUNKS)[None, :]
             maxima = tl.load(value_ptr + rows[:, None] * num_chunks + chunks,
@@ -256,20 +248,10 @@ _MAX_BLOCK = 2048  # tokens per loop step: 8 per thread at 8 warps
 _CPU_SMS = 132  # under the interpreter: an H100/H200's count, so that tests pick the chunks a GPU would
 
 
-def sample_triton(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    seeds: torch.Tensor,
-    use_top_p: bool | None = None,
-    max_top_k: int | None = None,
-    use_min_p: bool | None = None,
-    *,
-    chunk_size: int | None = None,
-    block: int | None = None,
-) -> torch.Tensor:
+def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor, seeds: torch.Tensor, use_top_p: bool | None = None,
+                  max_top_k: int | None = None, use_min_p: bool | None = None, *, chunk_size: int | None = None,
+                  block: int | None = None) -> torch.Tensor:
     """The Triton kernels of sample_ref (same truncation, its own counter-based RNG: Philox keyed by the
     row's seed and the token id, so a row's draw depends on its logits, parameters and seed only, not on
     the batch nor on how the vocabulary is split between programs). torch.sort (top-p) or torch.topk

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -58,23 +58,32 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 
 
 class EventStream(StreamingResponse):
-    """Server-sent events whose `on_close` runs however the response ends: finished, failed, or the
-    client gone before the first byte (when the body generator never even starts)."""
+    """Server-sent events: each payload `events` yields, then `data: [DONE]`. If the engine aborts the
+    request midway, an error event ends it instead. However the response ends (finished, failed, or the
+    client gone before the first byte, when the generator never even starts), the engine requests are
+    aborted, which frees their KV blocks."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream",
+    def __init__(self, events: AsyncIterator[str], stream: RequestStream) -> None:
+        super().__init__(self._frames(events, stream), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._on_close = on_close
+        self._stream = stream
+
+    @staticmethod
+    async def _frames(events: AsyncIterator[str], stream: RequestStream) -> AsyncIterator[str]:
+        try:
+            async for payload in events:
+                yield f"data: {payload}\n\n"
+        except (RequestAbortedError, EngineDeadError) as e:
+            yield f"data: {json.dumps(error_body(503, f'the request was aborted: {e}'))}\n\n"
+        finally:
+            stream.abort()
+        yield "data: [DONE]\n\n"
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._on_close()
-
-
-def sse(payload: str) -> str:
-    return f"data: {payload}\n\n"
+            self._stream.abort()
 
 
 class Choice:
@@ -208,10 +217,6 @@ class OpenAIServing:
 
 class ClientGone(Exception):
     """The client closed the connection before its (non-streamed) response was ready."""
-
-
-def to_json(body: dict[str, Any]) -> str:
-    return json.dumps(body)
 
 
 def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:

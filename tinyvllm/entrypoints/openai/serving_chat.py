@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tinyvllm.engine.async_engine import EngineDeadError, RequestAbortedError, RequestStream
+from tinyvllm.engine.async_engine import RequestStream
 from tinyvllm.entrypoints.openai.metrics import RequestTracker
 from tinyvllm.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
@@ -25,17 +25,7 @@ from tinyvllm.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from tinyvllm.entrypoints.openai.serving import (
-    APIError,
-    Choice,
-    EventStream,
-    OpenAIServing,
-    error_body,
-    sse,
-    to_json,
-    token_text,
-    usage_info,
-)
+from tinyvllm.entrypoints.openai.serving import APIError, Choice, EventStream, OpenAIServing, token_text, usage_info
 from tinyvllm.outputs import Logprob
 
 
@@ -61,7 +51,7 @@ class OpenAIServingChat(OpenAIServing):
             return EventStream(self._stream_chat(stream, request_id, body.n, len(ids), tracker, top_logprobs,
                                                   bool(options and options.include_usage),
                                                   bool(options and options.continuous_usage_stats)),
-                                stream.abort)
+                                stream)
         choices = {(request_id, k): Choice() for k in range(body.n)}
         cached = await self.collect(stream, raw_request, tracker, choices)
         result = []
@@ -84,35 +74,30 @@ class OpenAIServingChat(OpenAIServing):
         cached = 0
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
-            return sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices,
-                                            usage=usage).model_dump_json())
+            return ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices,
+                                       usage=usage).model_dump_json()
 
-        try:
-            for index in range(n):
-                yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
-            async for output in stream:
-                tracker.observe(output)
-                cached = output.num_cached_tokens
-                for completion in output.outputs:
-                    completion_tokens += len(completion.token_ids)
-                    if not completion.text and completion.finish_reason is None and top_logprobs is None:
-                        continue
-                    logprobs = None
-                    if top_logprobs is not None:
-                        logprobs = ChatChoiceLogprobs(content=chat_logprobs(
-                            completion.token_ids, completion.logprobs or [], top_logprobs, self.tokenizer))
-                    choice = ChatStreamChoice(index=completion.index, delta=DeltaMessage(content=completion.text),
-                                              logprobs=logprobs, finish_reason=completion.finish_reason,
-                                              stop_reason=completion.stop_reason)
-                    usage = usage_info(prompt_tokens, completion_tokens, cached) if continuous_usage else None
-                    yield chunk([choice], usage)
-            if include_usage:
-                yield chunk([], usage_info(prompt_tokens, completion_tokens, cached))
-        except (RequestAbortedError, EngineDeadError) as e:
-            yield sse(to_json(error_body(503, f"the request was aborted: {e}")))
-        finally:
-            stream.abort()
-        yield sse("[DONE]")
+        for index in range(n):
+            yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+        async for output in stream:
+            tracker.observe(output)
+            cached = output.num_cached_tokens
+            for completion in output.outputs:
+                completion_tokens += len(completion.token_ids)
+                if not completion.text and completion.finish_reason is None and top_logprobs is None:
+                    continue
+                logprobs = None
+                if top_logprobs is not None:
+                    logprobs = ChatChoiceLogprobs(content=chat_logprobs(
+                        completion.token_ids, completion.logprobs or [], top_logprobs, self.tokenizer))
+                choice = ChatStreamChoice(index=completion.index, delta=DeltaMessage(content=completion.text),
+                                          logprobs=logprobs, finish_reason=completion.finish_reason,
+                                          stop_reason=completion.stop_reason)
+                usage = usage_info(prompt_tokens, completion_tokens, cached) if continuous_usage else None
+                yield chunk([choice], usage)
+        if include_usage:
+            yield chunk([], usage_info(prompt_tokens, completion_tokens, cached))
+
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int,
                    tokenizer: Any) -> list[TokenLogprob]:

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tinyvllm.engine.async_engine import EngineDeadError, RequestAbortedError, RequestStream
+from tinyvllm.engine.async_engine import RequestStream
 from tinyvllm.entrypoints.openai.metrics import RequestTracker
 from tinyvllm.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -17,17 +17,7 @@ from tinyvllm.entrypoints.openai.protocol import (
     CompletionResponse,
     random_id,
 )
-from tinyvllm.entrypoints.openai.serving import (
-    APIError,
-    Choice,
-    EventStream,
-    OpenAIServing,
-    error_body,
-    sse,
-    to_json,
-    token_text,
-    usage_info,
-)
+from tinyvllm.entrypoints.openai.serving import APIError, Choice, EventStream, OpenAIServing, token_text, usage_info
 from tinyvllm.outputs import Logprob
 
 
@@ -53,7 +43,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return EventStream(self._stream_completion(stream, request_id, choice_index, prompt_tokens, tracker,
                                                         body.logprobs, bool(options and options.include_usage),
                                                         bool(options and options.continuous_usage_stats)),
-                                stream.abort)
+                                stream)
         choices = {key: Choice() for key in choice_index}
         cached = await self.collect(stream, raw_request, tracker, choices)
         result = []
@@ -75,39 +65,34 @@ class OpenAIServingCompletion(OpenAIServing):
         completion_tokens = 0
         cached: dict[str, int] = {}
         text_offsets = dict.fromkeys(choice_index.values(), 0)
-        try:
-            async for output in stream:
-                tracker.observe(output)
-                cached[output.request_id] = output.num_cached_tokens
-                for completion in output.outputs:
-                    completion_tokens += len(completion.token_ids)
-                    # Nothing to show yet: a partial character, or text held back for `stop`. Without a
-                    # tokenizer there is never text, and each step's new tokens make a chunk of their own.
-                    shows = completion.text or (self.tokenizer is None and completion.token_ids)
-                    if not shows and completion.finish_reason is None and logprobs is None:
-                        continue
-                    index = choice_index[(output.request_id, completion.index)]
-                    choice_logprobs = None
-                    if logprobs is not None:
-                        choice_logprobs = completion_logprobs(completion.token_ids, completion.logprobs or [],
-                                                               text_offsets[index], self.tokenizer)
-                        text_offsets[index] += sum(len(t) for t in choice_logprobs.tokens)
-                    choice = CompletionChoice(index=index, text=completion.text, logprobs=choice_logprobs,
-                                              finish_reason=completion.finish_reason,
-                                              stop_reason=completion.stop_reason)
-                    usage = (usage_info(prompt_tokens, completion_tokens, sum(cached.values()))
-                             if continuous_usage else None)
-                    chunk = CompletionResponse(id=request_id, model=self.model_name, choices=[choice], usage=usage)
-                    yield sse(chunk.model_dump_json())
-            if include_usage:
-                chunk = CompletionResponse(id=request_id, model=self.model_name, choices=[],
-                                           usage=usage_info(prompt_tokens, completion_tokens, sum(cached.values())))
-                yield sse(chunk.model_dump_json())
-        except (RequestAbortedError, EngineDeadError) as e:
-            yield sse(to_json(error_body(503, f"the request was aborted: {e}")))
-        finally:
-            stream.abort()
-        yield sse("[DONE]")
+        async for output in stream:
+            tracker.observe(output)
+            cached[output.request_id] = output.num_cached_tokens
+            for completion in output.outputs:
+                completion_tokens += len(completion.token_ids)
+                # Nothing to show yet: a partial character, or text held back for `stop`. Without a
+                # tokenizer there is never text, and each step's new tokens make a chunk of their own.
+                shows = completion.text or (self.tokenizer is None and completion.token_ids)
+                if not shows and completion.finish_reason is None and logprobs is None:
+                    continue
+                index = choice_index[(output.request_id, completion.index)]
+                choice_logprobs = None
+                if logprobs is not None:
+                    choice_logprobs = completion_logprobs(completion.token_ids, completion.logprobs or [],
+                                                           text_offsets[index], self.tokenizer)
+                    text_offsets[index] += sum(len(t) for t in choice_logprobs.tokens)
+                choice = CompletionChoice(index=index, text=completion.text, logprobs=choice_logprobs,
+                                          finish_reason=completion.finish_reason,
+                                          stop_reason=completion.stop_reason)
+                usage = (usage_info(prompt_tokens, completion_tokens, sum(cached.values()))
+                         if continuous_usage else None)
+                chunk = CompletionResponse(id=request_id, model=self.model_name, choices=[choice], usage=usage)
+                yield chunk.model_dump_json()
+        if include_usage:
+            chunk = CompletionResponse(id=request_id, model=self.model_name, choices=[],
+                                       usage=usage_info(prompt_tokens, completion_tokens, sum(cached.values())))
+            yield chunk.model_dump_json()
+
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], text_offset: int,
                          tokenizer: Any) -> CompletionLogprobs:
