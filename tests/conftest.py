@@ -1,12 +1,33 @@
-"""Shared test setup. TRITON_INTERPRET must be set before triton is first imported, so that the
-Triton kernels run on CPU tensors under the interpreter (see shared/TOOLCHAIN.md)."""
+"""Shared test setup.
+
+TRITON_INTERPRET must be decided before triton is first imported (a test module's import does that, at
+collection). The rule, applied in pytest_configure, before any test module is imported:
+- TRITON_INTERPRET set in the environment (to anything, "0" included) is left as it is;
+- otherwise it is set to "1", so that the Triton kernels run on CPU tensors under the interpreter, unless the
+  `-m` expression (command line, PYTEST_ADDOPTS or addopts) selects the `cuda` marker: it names `cuda` other
+  than as `not cuda`, as in `pytest -m cuda` on a GPU machine. Then it is left unset and the kernels of
+  tests/gpu run for real. (Those tests skip themselves under the interpreter.)
+So the default run (`pytest`, `pytest -m "not slow"`, ...) is the CPU suite as before, and on a GPU machine
+`pytest -m cuda` runs the GPU checks."""
 
 import os
+import re
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
+
+
+def selects_cuda_marker(markexpr: str | None) -> bool:
+    """Whether a `-m` expression names the cuda marker other than negated (`cuda`, `cuda and not slow`,
+    `slow or cuda`: yes; `not cuda`, `not (cuda or slow)`, `not slow`, none: no)."""
+    return any(not re.search(r"\bnot[\s(]*$", (markexpr or "")[: m.start()])
+               for m in re.finditer(r"\bcuda\b", markexpr or ""))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if "TRITON_INTERPRET" not in os.environ and not selects_cuda_marker(config.getoption("markexpr", None)):
+        os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(scope="session")

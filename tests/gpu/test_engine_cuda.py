@@ -1,0 +1,210 @@
+"""The engine end to end on a CUDA GPU, on the Llama-3.2-1B-shaped random-weight model (tests.utils.LLAMA_1B):
+
+1. its logits against transformers' (float32) on the same GPU, with ours in bfloat16 and in float32;
+2. greedy generation (4 prompts x 64 tokens) along four paths, each in a fresh process: the Triton kernels with
+   CUDA graphs and async scheduling (the default fast path), with CUDA graphs only, eager, and the reference
+   ops (TINYVLLM_REFERENCE_OPS=1, eager). Each run is checked to have taken the path it names. In float32 every
+   path gives the same tokens as the eager Triton run (and that one as the reference ops). In bfloat16 the
+   paths round differently and random weights give near-ties, so a flip is expected somewhere: identical
+   tokens pass, different ones are reported as xfail with the common prefix lengths, not judged.
+
+    python -m pytest -m cuda tests/gpu/test_engine_cuda.py -ra      (on a GPU machine; skipped elsewhere)
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from tests.utils import our_logits, random_llama_1b, relative_error
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+                       reason="TRITON_INTERPRET is set: the kernels would run under the interpreter, not on the GPU "
+                              "(run `pytest -m cuda`, which leaves it unset)"),
+]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROMPTS = [[(i * 37 + j * 11) % 10000 for j in range(n)] for i, n in enumerate((5, 40, 130, 300))]
+NUM_TOKENS = 64
+ENGINE_ARGS = dict(skip_tokenizer_init=True, max_model_len=2048, gpu_memory_utilization=0.3, max_num_seqs=16)
+LOGIT_LENGTHS = (7, 300, 1500)
+LOGIT_TOLERANCE = {"bfloat16": 3e-2, "float32": 1e-4}
+
+# name -> (reference ops, enforce_eager, async_scheduling)
+PATHS = {
+    "triton+graphs+async": (False, False, True),
+    "triton+graphs": (False, False, False),
+    "triton eager": (False, True, False),
+    "reference ops": (True, True, False),
+}
+# (path, the path it must agree with)
+PAIRS = [("triton eager", "reference ops"), ("triton+graphs", "triton eager"), ("triton+graphs+async", "triton eager")]
+
+# One greedy run in a fresh process (TINYVLLM_REFERENCE_OPS is read when tinyvllm.ops is imported; a process per
+# run also gives each engine the whole GPU). Prints RESULT and JSON: the tokens, and what the run took.
+GENERATE = r"""
+import json, sys
+from tinyvllm import LLM, SamplingParams, ops
+path, dtype, enforce_eager, async_scheduling, num_tokens, prompts, engine_args = json.loads(sys.argv[1])
+llm = LLM(path, dtype=dtype, enforce_eager=enforce_eager, async_scheduling=async_scheduling, **engine_args)
+engine = llm.llm_engine
+overlapped = []
+engine.add_step_callback(lambda stats: overlapped.append(stats.num_inputs_in_flight > 0))
+params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+print("RESULT" + json.dumps(dict(
+    tokens=tokens, triton=ops.triton_available(),
+    cuda_graphs=engine.engine_core.model_runner.cuda_graphs is not None,
+    steps=len(overlapped), overlapped_steps=sum(overlapped))))
+"""
+
+
+@pytest.fixture(scope="module")
+def llama_1b() -> str:
+    return random_llama_1b()
+
+
+def free_gpu_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------- logits vs transformers
+
+
+def logit_ids(n: int) -> list[int]:
+    return [(k * 7919) % 10000 for k in range(n)]
+
+
+@pytest.fixture(scope="module")
+def transformers_logits(llama_1b: str) -> dict[int, torch.Tensor]:
+    """transformers' float32 logits at every position of each test sequence (kept on the host)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(llama_1b, dtype=torch.float32).cuda().eval()
+    refs = {}
+    with torch.inference_mode():
+        for n in LOGIT_LENGTHS:
+            refs[n] = hf(torch.tensor([logit_ids(n)], device="cuda")).logits[0].float().cpu()
+    del hf
+    free_gpu_memory()
+    return refs
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_logits_match_transformers(llama_1b: str, transformers_logits: dict[int, torch.Tensor], dtype: str) -> None:
+    from tinyvllm import LLM
+
+    tol = LOGIT_TOLERANCE[dtype]
+    llm = LLM(llama_1b, dtype=dtype, enforce_eager=True, **ENGINE_ARGS)
+    try:
+        lines, ok = [], True
+        for n in LOGIT_LENGTHS:
+            ours = our_logits(llm, logit_ids(n)).float()
+            ref = transformers_logits[n].cuda()
+            err = relative_error(ours, ref)
+            top1 = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+            ok &= err < tol
+            lines.append(f"{n} tokens: rel err {err:.2e}{'' if err < tol else ' FAIL'}, top-1 agreement {top1:.1%}")
+            del ours, ref
+        assert ok, f"logits vs transformers fp32, ours {dtype} (tol {tol}): " + "; ".join(lines)
+    finally:
+        del llm
+        free_gpu_memory()
+
+
+# ------------------------------------------------------------------------------------------ greedy generation
+
+
+class GreedyRuns:
+    """Each (dtype, path) run once, in its own process, when a test first asks for it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.results: dict[tuple[str, str], dict[str, Any] | str] = {}
+
+    def get(self, dtype: str, name: str) -> dict[str, Any]:
+        if (dtype, name) not in self.results:
+            self.results[dtype, name] = self._run(dtype, name)
+        result = self.results[dtype, name]
+        if isinstance(result, str):
+            pytest.fail(f"greedy run '{name}' ({dtype}) failed:\n{result}")
+        return result
+
+    def _run(self, dtype: str, name: str) -> dict[str, Any] | str:
+        reference, eager, overlap = PATHS[name]
+        env = {**os.environ, "TINYVLLM_REFERENCE_OPS": "1" if reference else "0"}
+        args = json.dumps([self.path, dtype, eager, overlap, NUM_TOKENS, PROMPTS, ENGINE_ARGS])
+        try:
+            proc = subprocess.run([sys.executable, "-c", GENERATE, args], cwd=ROOT, env=env, capture_output=True,
+                                  text=True, timeout=600)
+        except subprocess.TimeoutExpired as e:
+            stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+            return f"timed out after {e.timeout} s\n{stderr[-3000:]}"
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), None)
+        if proc.returncode != 0 or line is None:
+            return f"exit status {proc.returncode}\n{proc.stderr[-3000:]}"
+        return json.loads(line[len("RESULT"):])
+
+
+@pytest.fixture(scope="module")
+def greedy_runs(llama_1b: str) -> GreedyRuns:
+    free_gpu_memory()  # (the runs size their KV cache from the GPU's free memory)
+    return GreedyRuns(llama_1b)
+
+
+@pytest.mark.parametrize("name", list(PATHS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_run_takes_its_path(greedy_runs: GreedyRuns, dtype: str, name: str) -> None:
+    """The run completes, with NUM_TOKENS tokens per prompt, on the path it names: the Triton kernels or the
+    reference ops, CUDA graphs captured or not, steps overlapping (async scheduling) or not."""
+    reference, eager, overlap = PATHS[name]
+    run = greedy_runs.get(dtype, name)
+    assert [len(t) for t in run["tokens"]] == [NUM_TOKENS] * len(PROMPTS), \
+        f"{name} ({dtype}): tokens per prompt {[len(t) for t in run['tokens']]}, expected {NUM_TOKENS} each"
+    assert run["triton"] == (not reference), \
+        f"{name} ({dtype}): ops.triton_available() is {run['triton']}, expected {not reference}"
+    assert run["cuda_graphs"] == (not eager), \
+        f"{name} ({dtype}): CUDA graphs {'captured' if run['cuda_graphs'] else 'not captured'}, expected " \
+        f"{'none' if eager else 'graphs'}"
+    if overlap:
+        assert run["overlapped_steps"] > 0, \
+            f"{name} ({dtype}): async scheduling on, but no step of {run['steps']} took an input still in flight"
+    else:
+        assert run["overlapped_steps"] == 0, \
+            f"{name} ({dtype}): async scheduling off, but {run['overlapped_steps']} of {run['steps']} steps " \
+            "took an input still in flight"
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[bool, str]:
+    same = [x == y for x, y in zip(a, b)]
+    prefix = [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), len(x)) for x, y in zip(a, b)]
+    return all(same), f"identical {sum(same)}/{len(same)} prompts, common prefix lengths {prefix} of {NUM_TOKENS}"
+
+
+@pytest.mark.parametrize("pair", [pytest.param(p, id=f"{p[0]} vs {p[1]}") for p in PAIRS])
+def test_greedy_float32_same_on_every_path(greedy_runs: GreedyRuns, pair: tuple[str, str]) -> None:
+    a, b = pair
+    same, detail = agreement(greedy_runs.get("float32", a)["tokens"], greedy_runs.get("float32", b)["tokens"])
+    assert same, f"greedy {NUM_TOKENS} tokens in float32: {a} != {b}: {detail}"
+
+
+@pytest.mark.parametrize("pair", [pytest.param(p, id=f"{p[0]} vs {p[1]}") for p in PAIRS])
+def test_greedy_bfloat16_paths_reported(greedy_runs: GreedyRuns, pair: tuple[str, str]) -> None:
+    """Reported, not judged: in bf16 the paths round differently and the random weights give near-ties (top-1
+    agrees with fp32 on only ~90% of positions), so a flip somewhere is expected. Correctness is judged in
+    float32 and on the logits."""
+    a, b = pair
+    same, detail = agreement(greedy_runs.get("bfloat16", a)["tokens"], greedy_runs.get("bfloat16", b)["tokens"])
+    if not same:
+        pytest.xfail(f"bf16 greedy {a} vs {b} (a flip at a near-tie is expected): {detail}")

@@ -1,0 +1,413 @@
+"""Every Triton kernel against its PyTorch reference on a CUDA GPU, at real shapes (Llama-3.2-1B: hidden 2048,
+32 query / 8 KV heads of dim 64, MLP 8192, vocabulary 128256, block size 16), in bfloat16 and float32, on fresh
+random inputs. The reference runs in float32 on the same (rounded) inputs; the error is ||out - ref|| / ||ref||,
+against 1e-2 for bfloat16 and 1e-5 for float32. Outputs the kernels allocate are poisoned with NaN (or -1 for
+integers), so an unwritten element fails.
+
+    python -m pytest -m cuda tests/gpu/test_kernels_cuda.py      (on a GPU machine; skipped elsewhere)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tests.utils import attention_metadata  # noqa: E402
+from tinyvllm.ops.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
+from tinyvllm.ops.attention import AttentionMetadata, paged_attention_ref, paged_attention_triton  # noqa: E402
+from tinyvllm.ops.embedding import embedding_ref, embedding_triton  # noqa: E402
+from tinyvllm.ops.layernorm import (  # noqa: E402
+    fused_add_rms_norm_ref,
+    fused_add_rms_norm_triton,
+    rms_norm_ref,
+    rms_norm_triton,
+)
+from tinyvllm.ops.rotary import (  # noqa: E402
+    build_cos_sin_cache,
+    rotary_embedding_and_store_ref,
+    rotary_embedding_and_store_triton,
+)
+from tinyvllm.ops.sampling import sample_triton  # noqa: E402
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+                       reason="TRITON_INTERPRET is set: the kernels would run under the interpreter, not on the GPU "
+                              "(run `pytest -m cuda`, which leaves it unset)"),
+]
+
+DEVICE = "cuda"
+HIDDEN, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB, BLOCK_SIZE = 2048, 32, 8, 64, 8192, 128256, 16
+LLAMA3_SCALING = {
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-5}
+DTYPES = [pytest.param(torch.bfloat16, id="bfloat16"), pytest.param(torch.float32, id="float32")]
+TOKEN_COUNTS = [1, 7, 1000, 8192]
+
+
+@pytest.fixture(autouse=True)
+def seed() -> None:
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def cos_sin_cache() -> torch.Tensor:
+    return build_cos_sin_cache(HEAD_DIM, 131072, 500000.0, LLAMA3_SCALING, torch.device(DEVICE))
+
+
+_real_empty = torch.empty
+
+
+def _poisoned_empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """torch.empty whose memory is NaN (floats) or -1 (integers), so that an unwritten output shows."""
+    t = _real_empty(*args, **kwargs)
+    return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+
+@contextmanager
+def poisoned_empty() -> Iterator[None]:
+    torch.empty = _poisoned_empty
+    try:
+        yield
+    finally:
+        torch.empty = _real_empty
+
+
+def poisoned(fn: Callable, *args: Any) -> Any:
+    """fn(*args) with every torch.empty it calls poisoned."""
+    with poisoned_empty():
+        return fn(*args)
+
+
+def assert_close(what: str, out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    """||out - ref|| / ||ref|| within the dtype's tolerance, and out finite."""
+    out, ref = out.double(), ref.double()
+    rel = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+    finite = bool(torch.isfinite(out).all())
+    tol = TOLERANCE[dtype]
+    assert finite, f"{what}: {int((~torch.isfinite(out)).sum())} non-finite output values (rel_err={rel:.2e})"
+    assert rel <= tol, f"{what}: rel_err={rel:.2e} > tol {tol:.0e}"
+
+
+def short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------------------------------------- elementwise
+
+
+@pytest.mark.parametrize("tokens", TOKEN_COUNTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embedding(dtype: torch.dtype, tokens: int) -> None:
+    weight = torch.randn(VOCAB, HIDDEN, device=DEVICE).to(dtype)
+    ids = torch.randint(0, VOCAB, (tokens,), device=DEVICE)
+    assert_close(f"embedding T={tokens} {short(dtype)}", poisoned(embedding_triton, ids, weight),
+                 embedding_ref(ids, weight.float()), dtype)
+
+
+def norm_inputs(tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, a residual of larger scale, and an RMSNorm weight near 1."""
+    norm_weight = (1 + 0.1 * torch.randn(HIDDEN, device=DEVICE)).to(dtype)
+    x = torch.randn(tokens, HIDDEN, device=DEVICE).to(dtype)
+    residual = (4 * torch.randn(tokens, HIDDEN, device=DEVICE)).to(dtype)
+    return x, residual, norm_weight
+
+
+@pytest.mark.parametrize("tokens", TOKEN_COUNTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(dtype: torch.dtype, tokens: int) -> None:
+    x, _, norm_weight = norm_inputs(tokens, dtype)
+    assert_close(f"rms_norm T={tokens} {short(dtype)}", poisoned(rms_norm_triton, x, norm_weight, 1e-5),
+                 rms_norm_ref(x.float(), norm_weight.float(), 1e-5), dtype)
+
+
+@pytest.mark.parametrize("tokens", TOKEN_COUNTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm(dtype: torch.dtype, tokens: int) -> None:
+    x, residual, norm_weight = norm_inputs(tokens, dtype)
+    normed, new_residual = poisoned(fused_add_rms_norm_triton, x, residual, norm_weight, 1e-5)
+    ref_normed, ref_residual = fused_add_rms_norm_ref(x.float(), residual.float(), norm_weight.float(), 1e-5)
+    assert_close(f"fused_add_rms_norm T={tokens} {short(dtype)} (normed)", normed, ref_normed, dtype)
+    assert_close(f"fused_add_rms_norm T={tokens} {short(dtype)} (residual)", new_residual, ref_residual, dtype)
+
+
+@pytest.mark.parametrize("tokens", TOKEN_COUNTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype: torch.dtype, tokens: int) -> None:
+    gate_up = (2 * torch.randn(tokens, 2 * INTERMEDIATE, device=DEVICE)).to(dtype)
+    assert_close(f"silu_and_mul T={tokens} {short(dtype)}", poisoned(silu_and_mul_triton, gate_up),
+                 silu_and_mul_ref(gate_up.float()), dtype)
+
+
+def random_cache_slots(tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random K and V cache with room to spare, and distinct slots for `tokens` tokens, 5% padding (-1)."""
+    num_blocks = tokens // BLOCK_SIZE + 64
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device=DEVICE).to(dtype)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, device=DEVICE)[:tokens]
+    slots[torch.rand(tokens, device=DEVICE) < 0.05] = -1
+    return k_cache, torch.randn_like(k_cache), slots
+
+
+@pytest.mark.parametrize("tokens", TOKEN_COUNTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_embedding_and_store(dtype: torch.dtype, tokens: int, cos_sin_cache: torch.Tensor) -> None:
+    """The fused RoPE + KV store (the only RoPE and KV-store kernel): q rotated in place; the rotated k stored at
+    its slots (close to the reference); v stored bit-exact; the other slots and k itself untouched."""
+    k_cache, v_cache, slots = random_cache_slots(tokens, dtype)
+    qkv = torch.randn(tokens, (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, device=DEVICE).to(dtype)
+    q, k, v = qkv.split([NUM_Q_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM], dim=-1)
+    q, k, v = (x.view(tokens, -1, HEAD_DIM) for x in (q, k, v))
+    positions = torch.randint(0, 131072, (tokens,), device=DEVICE)
+    ref_k, ref_v = k_cache.float(), v_cache.float()
+    ref_q = rotary_embedding_and_store_ref(positions, q.float(), k.float(), v.float(), cos_sin_cache, ref_k, ref_v,
+                                           slots)
+    original_k, original_cache = k.clone(), k_cache.clone()
+    rotary_embedding_and_store_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slots)  # q in place
+    name = f"rotary_embedding_and_store T={tokens} {short(dtype)}"
+    assert_close(f"{name} (q)", q, ref_q, dtype)
+    written = torch.zeros(k_cache.shape[0] * BLOCK_SIZE, dtype=torch.bool, device=DEVICE)
+    written[slots[slots >= 0]] = True
+    flat_k, flat_ref_k = k_cache.flatten(0, 1), ref_k.flatten(0, 1)
+    assert_close(f"{name} (k cache)", flat_k[written], flat_ref_k[written], dtype)
+    assert torch.equal(v_cache, ref_v.to(dtype)), f"{name}: the V cache differs from the reference's (bit-exact)"
+    assert torch.equal(flat_k[~written], original_cache.flatten(0, 1)[~written]), \
+        f"{name}: a K-cache slot not in slot_mapping changed"
+    assert torch.equal(k, original_k), f"{name}: k itself changed (only the cache copy is rotated)"
+
+
+# ------------------------------------------------------------------------------------------------ attention
+
+
+def paged_batch(
+    query_lens: list[int], context_lens: list[int], dtype: torch.dtype, num_q_heads: int = NUM_Q_HEADS,
+    num_kv_heads: int = NUM_KV_HEADS, head_dim: int = HEAD_DIM, block_size: int = BLOCK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Random q and paged KV; blocks are a random permutation of the pool and every slot no sequence
+    owns is NaN (reading one poisons the output)."""
+    blocks_per_seq = [math.ceil(c / block_size) for c in context_lens]
+    num_blocks = sum(blocks_per_seq) + 16
+    order = torch.randperm(num_blocks, device=DEVICE)
+    block_tables = torch.zeros(len(context_lens), max(blocks_per_seq) + 2, dtype=torch.int32, device=DEVICE)
+    owned = torch.zeros(num_blocks, block_size, dtype=torch.bool, device=DEVICE)
+    start = 0
+    for i, context_len in enumerate(context_lens):
+        blocks = order[start : start + blocks_per_seq[i]]
+        start += blocks_per_seq[i]
+        block_tables[i, : len(blocks)] = blocks.int()
+        positions = torch.arange(context_len, device=DEVICE)
+        owned[blocks[positions // block_size], positions % block_size] = True
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, device=DEVICE).to(dtype)
+    v_cache = torch.randn(shape, device=DEVICE).to(dtype)
+    k_cache[~owned], v_cache[~owned] = float("nan"), float("nan")
+    q = torch.randn(sum(query_lens), num_q_heads, head_dim, device=DEVICE).to(dtype)
+    return q, k_cache, v_cache, attention_metadata(query_lens, context_lens, block_tables)
+
+
+def rand_lens(n: int, low: int, high: int) -> list[int]:
+    return torch.randint(low, high + 1, (n,)).tolist()
+
+
+def eight_prompts() -> dict:
+    lens = rand_lens(8, 1, 2048)
+    lens[0] = 2048
+    return dict(query_lens=lens, context_lens=lens)
+
+
+def eight_chunks() -> dict:
+    """Chunked prefill: chunks of up to 512 new tokens on top of cached prefixes up to 4096."""
+    chunks = rand_lens(8, 1, 512)
+    return dict(query_lens=chunks, context_lens=[c + p for c, p in zip(chunks, rand_lens(8, 0, 4096))])
+
+
+def mixed_batch() -> dict:
+    """Through the prefill path: 16 decodes, an idle sequence, 4 prefill chunks."""
+    query_lens = [1] * 16 + [0] + rand_lens(4, 2, 300)
+    context_lens = rand_lens(16, 1, 3000) + [50] + [q + p for q, p in zip(query_lens[17:], rand_lens(4, 0, 1000))]
+    return dict(query_lens=query_lens, context_lens=context_lens)
+
+
+def decode_64() -> dict:
+    contexts = rand_lens(64, 1, 8192)
+    contexts[0] = 8192
+    return dict(query_lens=[1] * 64, context_lens=contexts)
+
+
+# Each case: a function of the (seeded) random state giving paged_batch's lengths and shape, and optionally a
+# max_context_len larger than the batch's (as a CUDA graph captured for longer contexts launches).
+ATTENTION_CASES: dict[str, Callable[[], dict]] = {
+    "8 prompts <=2048": eight_prompts,
+    "8 chunks <=512 on prefixes <=4096": eight_chunks,
+    "mixed 16 decodes + idle + 4 chunks": mixed_batch,
+    # head_dim 128 (Llama-3-8B shape) and a GQA group of 3 (SmolLM2: 9 query / 3 KV heads)
+    "d128 4 prompts": lambda: dict(query_lens=[700, 64, 1, 300], context_lens=[700, 64, 1, 1300], head_dim=128),
+    "9q-3kv 3 chunks": lambda: dict(query_lens=[257, 31, 1], context_lens=[1000, 31, 2000], num_q_heads=9,
+                                    num_kv_heads=3),
+    "decode batch 64 contexts <=8192": decode_64,
+    "decode batch 1 context 8192": lambda: dict(query_lens=[1], context_lens=[8192]),
+    "decode batch 1 context 37": lambda: dict(query_lens=[1], context_lens=[37]),
+    "decode batch 4 contexts <=3000 grid for 131072": lambda: dict(query_lens=[1] * 4,
+                                                                   context_lens=rand_lens(4, 1, 3000),
+                                                                   max_context_len=131072),
+    "decode batch 256 contexts <=2048": lambda: dict(query_lens=[1] * 256, context_lens=rand_lens(256, 1, 2048)),
+    "decode batch 8 contexts <=32768": lambda: dict(query_lens=[1] * 8, context_lens=rand_lens(8, 16384, 32768)),
+    "decode d128 batch 16": lambda: dict(query_lens=[1] * 16, context_lens=rand_lens(16, 1, 4096), head_dim=128),
+    "decode 9q-3kv batch 5 with an idle sequence": lambda: dict(query_lens=[1, 1, 0, 1, 1],
+                                                                context_lens=[3000, 17, 40, 1, 640], num_q_heads=9,
+                                                                num_kv_heads=3),
+}
+
+
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention(dtype: torch.dtype, case: str) -> None:
+    spec = ATTENTION_CASES[case]()
+    max_context_len = spec.pop("max_context_len", None)
+    q, k_cache, v_cache, meta = paged_batch(spec.pop("query_lens"), spec.pop("context_lens"), dtype, **spec)
+    if max_context_len is not None:  # as a CUDA graph captured for longer contexts launches
+        meta.max_context_len = max_context_len
+    scale = q.shape[-1] ** -0.5
+    t0 = time.perf_counter()
+    out = poisoned(paged_attention_triton, q, k_cache, v_cache, meta, scale)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+    path = "decode" if meta.is_decode else "prefill"
+    assert_close(f"attention ({path} path) {case}, {q.shape[0]} tokens, {short(dtype)} "
+                 f"({elapsed * 1e3:.0f} ms first call)", out, ref, dtype)
+
+
+def test_decode_attention_in_cuda_graph() -> None:
+    """Decode attention captured in a CUDA graph at max_context_len 4096, replayed on new q and shorter contexts."""
+    dtype = torch.bfloat16
+    batch = 32
+    q, k_cache, v_cache, meta = paged_batch([1] * batch, [4096] * batch, dtype)
+    scale = HEAD_DIM**-0.5
+    paged_attention_triton(q, k_cache, v_cache, meta, scale)  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    new_lens = torch.randint(1, 4097, (batch,), dtype=torch.int32, device=DEVICE)
+    meta.context_lens.copy_(new_lens)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+    assert_close("attention decode in a CUDA graph, replayed on new contexts bf16", out, ref, dtype)
+
+
+# ------------------------------------------------------------------------------------------------- sampling
+
+
+def params(rows: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0):
+    return (
+        torch.full((rows,), temperature, device=DEVICE),
+        torch.full((rows,), top_k, dtype=torch.int64, device=DEVICE),
+        torch.full((rows,), top_p, device=DEVICE),
+        torch.full((rows,), min_p, device=DEVICE),
+    )
+
+
+def test_sample_greedy_and_top_k_1_rows_are_argmax() -> None:
+    batch = 64
+    logits = 4 * torch.randn(batch, VOCAB, device=DEVICE)
+    temperature, top_k, top_p, min_p = params(batch, top_p=0.9)
+    temperature[: batch // 2] = 0.0
+    top_k[batch // 2 :] = 1
+    seeds = torch.arange(batch, device=DEVICE)
+    out = poisoned(sample_triton, logits, temperature, top_k, top_p, min_p, seeds)
+    expected = logits.argmax(-1)
+    wrong = (out != expected).nonzero().flatten().tolist()
+    assert not wrong, (f"sample B={batch} V={VOCAB}: greedy (rows 0-31) and top_k=1 (rows 32-63) rows {wrong} "
+                       f"are not the argmax: {out[wrong].tolist()} != {expected[wrong].tolist()}")
+
+
+def test_sample_row_alone_equals_in_batch() -> None:
+    batch = 64
+    logits = 4 * torch.randn(batch, VOCAB, device=DEVICE)
+    seeds = torch.arange(batch, device=DEVICE)
+    temperature, top_k, top_p, min_p = params(batch, temperature=0.8, top_k=50)
+    top_p[::3], min_p[1::3], top_k[2::3] = 0.9, 0.05, 0
+    together = sample_triton(logits, temperature, top_k, top_p, min_p, seeds)
+    rows = list(range(0, batch, 7))
+    alone = torch.cat([
+        sample_triton(logits[i : i + 1], temperature[i : i + 1], top_k[i : i + 1], top_p[i : i + 1],
+                      min_p[i : i + 1], seeds[i : i + 1])
+        for i in rows
+    ])
+    assert torch.equal(alone, together[::7]), (f"rows {rows}: drawn alone {alone.tolist()}, "
+                                               f"in the batch {together[::7].tolist()}")
+
+
+def chi2_critical(df: int, z: float = 3.719) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.719: p = 1e-4)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+SMALL_LOGITS = [0.3, -1.2, 1.1, 2.0, 2.4, -0.2, 0.9, 0.0]
+
+
+def wide_logits() -> torch.Tensor:
+    wide = 2 * torch.randn(VOCAB, device=DEVICE)
+    wide[:30] += 8  # a head of ~30 likely tokens above a long tail
+    return wide
+
+
+# name -> (logits, draws, temperature, top_k, top_p, min_p)
+SAMPLING_CASES: dict[str, Callable[[], tuple]] = {
+    "V=8 T=0.7 top_p=0.8": lambda: (torch.tensor(SMALL_LOGITS, device=DEVICE), 100_000, 0.7, 0, 0.8, 0.0),
+    "V=8 T=1.3 top_k=5 min_p=0.05": lambda: (torch.tensor(SMALL_LOGITS, device=DEVICE), 100_000, 1.3, 5, 1.0, 0.05),
+    f"V={VOCAB} T=1 top_k=20": lambda: (wide_logits(), 8192, 1.0, 20, 1.0, 0.0),
+    f"V={VOCAB} T=0.9 top_p=0.6": lambda: (wide_logits(), 4096, 0.9, 0, 0.6, 0.0),
+}
+
+
+@pytest.mark.parametrize("case", list(SAMPLING_CASES))
+def test_sample_distribution(case: str) -> None:
+    """Draws with `draws` different seeds from one row of logits; frequencies against the truncated tempered
+    softmax computed by sample_ref's rules (chi-square, p = 1e-4), and no masked token ever drawn."""
+    logits, draws, temperature, top_k, top_p, min_p = SAMPLING_CASES[case]()
+    vocab = logits.shape[0]
+    probs = (logits / temperature).softmax(-1)
+    sorted_probs, order = probs.sort(descending=True)
+    rank = torch.arange(vocab, device=DEVICE)
+    drop = (rank >= (top_k if top_k > 0 else vocab)) | (sorted_probs.cumsum(0) - sorted_probs >= top_p)
+    drop |= sorted_probs < min_p * sorted_probs[0]
+    drop[0] = False
+    expected = torch.zeros(vocab, device=DEVICE).scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    expected = (expected / expected.sum()).double()
+    seeds = torch.randint(0, 2**62, (draws,), device=DEVICE)
+    out = sample_triton(logits.expand(draws, vocab), *params(draws, temperature, top_k, top_p, min_p), seeds)
+    counts = torch.bincount(out, minlength=vocab).double()
+    kept = expected > 0
+    masked_draws = int(counts[~kept].sum())
+    # pool the categories expected fewer than 5 times into one, as the chi-square test asks
+    exp_counts, obs_counts = draws * expected[kept], counts[kept]
+    small = exp_counts < 5
+    if small.any():
+        exp_counts = torch.cat([exp_counts[~small], exp_counts[small].sum().view(1)])
+        obs_counts = torch.cat([obs_counts[~small], obs_counts[small].sum().view(1)])
+    chi2 = float(((obs_counts - exp_counts) ** 2 / exp_counts).sum())
+    df = max(exp_counts.numel() - 1, 1)
+    assert masked_draws == 0, f"sample {case}: {masked_draws} of {draws} draws are tokens the truncation masks"
+    assert chi2 < chi2_critical(df), (f"sample {case}: chi2={chi2:.1f} df={df} >= critical {chi2_critical(df):.1f} "
+                                      f"(p = 1e-4): the frequencies are not the truncated softmax's")
