@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -235,7 +236,9 @@ class EngineConfig:
     gpu_memory_utilization: float = _arg(0.9, "fraction of the GPU's memory the engine may use (the KV cache gets "
                                               "what the weights and activations leave)")
     num_kv_blocks: int | None = _arg(None, "KV-cache blocks (none: as many as memory allows)", type=int)
-    cpu_kv_cache_gb: float = _arg(2.0, "on the CPU, GiB for the KV cache")
+    kv_cache_memory: str | None = _arg(None, "memory for the KV cache, in bytes or with a unit (4GiB, 512MiB); "
+                                             "none: on a GPU what gpu_memory_utilization leaves, on the CPU a "
+                                             "tenth of the available memory", type=str)
     enable_prefix_caching: bool = _arg(True, "reuse the KV cache of prompt prefixes computed before")
     enforce_eager: bool = _arg(False, "no CUDA graphs")
     scheduling: str = _arg("continuous", "continuous batching, or static (a batch runs to its end before the next)",
@@ -261,6 +264,8 @@ class EngineConfig:
             raise ConfigError(f"max_num_batched_tokens must be at least 1, not {self.max_num_batched_tokens}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory_bytes()  # (refuses a value it cannot read)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"num_kv_blocks must be at least 1, not {self.num_kv_blocks}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
@@ -275,6 +280,24 @@ class EngineConfig:
         if unknown:
             raise ConfigError("; ".join(_unknown_argument(key, names) for key in unknown))
         return cls(**kwargs)
+
+    def kv_cache_memory_bytes(self) -> int | None:
+        """kv_cache_memory in bytes ("4GiB", "512MiB", "2GB", "1e9" or a number), or None."""
+        if self.kv_cache_memory is None:
+            return None
+        text = str(self.kv_cache_memory).strip()
+        units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+                 "tb": 10**12, "b": 1, "": 1}
+        match = re.fullmatch(r"([0-9.eE+]+)\s*([a-zA-Z]*)", text)
+        unit = match.group(2).lower() if match else None
+        try:
+            value = float(match.group(1)) * units[unit] if match else -1.0
+        except (KeyError, ValueError):
+            value = -1.0
+        if value < 1:
+            raise ConfigError(f"kv_cache_memory must be a positive size such as 4GiB, 512MiB or 2000000000 bytes, "
+                              f"not {self.kv_cache_memory!r}")
+        return int(value)
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -1,12 +1,14 @@
 """How many KV-cache blocks the pool gets: an explicit num_kv_blocks, else what memory allows.
 
-On CUDA, the largest step the scheduler can produce is run once to measure its peak activations; the
-cache gets whatever gpu_memory_utilization leaves after the weights and that peak. On the CPU, a budget
-(cpu_kv_cache_gb). Never more than max_num_seqs sequences of max_model_len tokens can use."""
+kv_cache_memory, when given, is the cache's size. Otherwise, on CUDA, the largest step the scheduler can
+produce is run once to measure its peak activations, and the cache gets whatever gpu_memory_utilization
+leaves after the weights and that peak; on the CPU, a tenth of the memory available now. Never more than
+max_num_seqs sequences of max_model_len tokens can use."""
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -28,16 +30,32 @@ def decide_num_blocks(model: torch.nn.Module, config: EngineConfig, device: torc
         return config.num_kv_blocks
     bytes_per_block = model.kv_cache_bytes_per_block(config.block_size, dtype)
     enough = config.max_num_seqs * max_blocks_per_seq  # more is never used
-    if device.type == "cuda":
+    budget = config.kv_cache_memory_bytes()
+    if budget is not None:
+        num_blocks = min(enough, budget // bytes_per_block)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={config.kv_cache_memory} holds no block of {bytes_per_block} bytes")
+    elif device.type == "cuda":
         num_blocks = min(enough, _profile_num_blocks(model, config, device, dtype, max_blocks_per_seq))
     else:
-        budget = int(config.cpu_kv_cache_gb * 2**30)
-        num_blocks = max(1, min(enough, budget // bytes_per_block))
+        num_blocks = max(1, min(enough, _available_memory() // 10 // bytes_per_block))
     if tp.size > 1:  # every rank holds the same blocks (of its heads): the least any rank can hold
         count = torch.tensor([num_blocks], device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MIN, group=tp.group)
         num_blocks = int(count.item())
     return num_blocks
+
+
+def _available_memory() -> int:
+    """Bytes of memory the OS says are available now (free plus reclaimable caches)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @torch.inference_mode()
