@@ -16,7 +16,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Folders whose files are imported by bare module name: a script's own folder is sys.path[0] when it runs, pytest
-# puts tests/ on sys.path, and tests/gpu's scripts put benchmarks/ there too.
+# puts tests/ (and tests/gpu/) on sys.path.
 MODULE_FOLDERS = ("benchmarks", "tests", os.path.join("tests", "gpu"))
 
 # Each runnable script with arguments that make it small: a full run's code path (the engine, and the transformers

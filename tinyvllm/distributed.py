@@ -30,7 +30,7 @@ class TensorParallel:
 
 
 # TINYVLLM_TP_ONE_GPU=1 puts every rank on GPU 0 and talks gloo: a check of the tensor-parallel code on CUDA
-# (tests/gpu/check_tensor_parallel.py) where only one GPU is at hand. NCCL needs a GPU per rank.
+# (tests/gpu/test_tensor_parallel_cuda.py) where only one GPU is at hand. NCCL needs a GPU per rank.
 ONE_GPU = os.environ.get("TINYVLLM_TP_ONE_GPU", "0") == "1"
 
 
