@@ -58,3 +58,32 @@ def test_bench_latency_and_throughput_on_a_small_model(tiny_text_checkpoint):
                     "--max-input-len", "40", "--max-output-len", "10")
     assert proc.returncode == 0, proc.stderr
     assert "output tok/s" in proc.stdout
+
+
+def test_bench_takes_vllms_options(tiny_text_checkpoint):
+    proc = tinyvllm("bench", "latency", "--model", tiny_text_checkpoint, "--input-len", "8", "--output-len", "4",
+                    "--batch-size", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert "latency, batch 3" in proc.stdout
+    proc = tinyvllm("bench", "throughput", "--model", tiny_text_checkpoint, "--dataset-name", "random",
+                    "--num-prompts", "4", "--input-len", "12", "--output-len", "5")
+    assert proc.returncode == 0, proc.stderr
+    assert "4 prompts (48 tokens): 20 output tokens" in proc.stdout
+    assert "Processed prompts" in proc.stderr  # progress while it runs
+
+
+def test_generate_n_stop_and_logprobs(tiny_text_checkpoint):
+    proc = tinyvllm("generate", "Hello", "--no-chat", "--model", tiny_text_checkpoint, "--max-tokens", "4",
+                    "-n", "2", "--temperature", "0.9", "--seed", "1", "--logprobs", "1", "--stop", "zzz")
+    assert proc.returncode == 0, proc.stderr
+    assert "--- completion 0" in proc.stdout and "--- completion 1" in proc.stdout
+
+
+def test_help_shows_each_default_and_serve_takes_the_model_as_an_argument(tiny_text_checkpoint):
+    proc = tinyvllm("serve", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "(default: 256)" in proc.stdout and "--max-num-seqs" in proc.stdout and "MODEL" in proc.stdout
+    from tinyvllm.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["serve", tiny_text_checkpoint, "--port", "1"])
+    assert args.model_tag == tiny_text_checkpoint

@@ -18,16 +18,19 @@ def _sync(llm: Any) -> None:
         torch.cuda.synchronize()
 
 
-def run_latency(llm: Any, prompt_len: int = 128, output_len: int = 256, seed: int = 0) -> dict[str, float]:
-    """latency-b1: one request, greedy; time to first token and the median time per output token
-    (each engine step ends by reading the sampled token on the host, so step times are real)."""
+def run_latency(llm: Any, prompt_len: int = 128, output_len: int = 256, seed: int = 0,
+                batch_size: int = 1) -> dict[str, float]:
+    """latency-b1 (batch_size 1): requests of prompt_len random tokens, greedy, all started together; time to
+    first token and the median time per output token (each engine step ends by reading the sampled tokens
+    on the host, so step times are real)."""
     engine = llm.llm_engine
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
-    prompt = [rng.randrange(min(vocab, 10000)) for _ in range(prompt_len)]
+    prompts = [[rng.randrange(min(vocab, 10000)) for _ in range(prompt_len)] for _ in range(batch_size)]
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)  # warm-up
-    engine.add_request("latency", prompt, params, output_kind="final_only")
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)  # warm-up
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"latency-{i}", prompt, params, output_kind="final_only")
     _sync(llm)
     step_times = []
     start = last = time.perf_counter()
@@ -42,9 +45,18 @@ def run_latency(llm: Any, prompt_len: int = 128, output_len: int = 256, seed: in
         "ttft_ms": step_times[0] * 1e3,
         "tpot_ms_median": statistics.median(decode) * 1e3,
         "tpot_ms_mean": statistics.mean(decode) * 1e3,
-        "tok_per_s": 1.0 / statistics.median(decode),
+        "tok_per_s": batch_size / statistics.median(decode),
         "total_s": total,
     }
+
+
+def random_workload(num_prompts: int, input_len: int, output_len: int, seed: int = 0,
+                    vocab_size: int = 10001) -> tuple[list[list[int]], list[SamplingParams]]:
+    """vLLM's `--dataset-name random`: prompts of input_len random tokens, output_len tokens each (ignore_eos)."""
+    rng = random.Random(seed)
+    top = min(10000, vocab_size - 1)
+    prompts = [[rng.randint(0, top) for _ in range(input_len)] for _ in range(num_prompts)]
+    return prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=output_len)] * num_prompts
 
 
 def throughput_workload(num_prompts: int = 256, min_input: int = 100, max_input: int = 1024,
@@ -63,7 +75,7 @@ def throughput_workload(num_prompts: int = 256, min_input: int = 100, max_input:
 
 
 def run_throughput(llm: Any, prompts: list[list[int]], params: list[SamplingParams],
-                   on_start: Callable[[], None] | None = None) -> dict[str, float]:
+                   on_start: Callable[[], None] | None = None, use_tqdm: bool = False) -> dict[str, float]:
     # Warm-up on a slice of the workload, so that Triton compiles the kernel variants it will meet
     # (prefill, mixed, decode with and without split combining) before the clock starts.
     warm = prompts[: min(32, len(prompts))]
@@ -72,7 +84,7 @@ def run_throughput(llm: Any, prompts: list[list[int]], params: list[SamplingPara
     if on_start is not None:  # (benchmarks/throughput.py --trace: forget the warm-up's steps)
         on_start()
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     _sync(llm)
     seconds = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)

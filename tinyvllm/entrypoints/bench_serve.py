@@ -63,8 +63,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
     parser.add_argument("--request-rate", type=float, default=math.inf,
                         help="requests per second, Poisson arrivals (default: all at once)")
-    parser.add_argument("--input-len", type=int, default=128, help="prompt length, tokens (or words)")
-    parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate per request")
+    parser.add_argument("--dataset-name", default="random", choices=["random"],
+                        help="random prompts of --input-len tokens (or words), as vLLM's random dataset")
+    parser.add_argument("--input-len", "--random-input-len", type=int, default=128,
+                        help="prompt length, tokens (or words)")
+    parser.add_argument("--max-tokens", "--output-len", "--random-output-len", dest="max_tokens", type=int,
+                        default=128, help="tokens to generate per request")
     parser.add_argument("--prompt-kind", default=None, choices=["tokens", "words"],
                         help="random token ids (completions only; drawn via the server's /tokenize) or random "
                              "words (default: tokens for completions, words for chat)")
@@ -231,10 +235,12 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 async def _drive(url: str, payloads: list[dict[str, Any]], headers: dict[str, str], chat: bool,
                  concurrency: int | None, request_rate: float, seed: int, duration_limit: float, t0: float,
-                 limits: Any, timeout: Any) -> list[RequestResult]:
+                 limits: Any, timeout: Any, progress: bool = True) -> list[RequestResult]:
     """Send `payloads` (at most `concurrency` in flight, Poisson arrivals at `request_rate`) until done or
-    `duration_limit` seconds after t0 (a time.perf_counter value); the requests not finished are cut off."""
+    `duration_limit` seconds after t0 (a time.perf_counter value); the requests not finished are cut off.
+    progress: a bar of the finished requests on stderr."""
     import httpx
+    from tqdm.auto import tqdm
 
     rng = random.Random(seed)
     semaphore = asyncio.Semaphore(concurrency) if concurrency else None
@@ -248,10 +254,12 @@ async def _drive(url: str, payloads: list[dict[str, Any]], headers: dict[str, st
                 return await _send(client, url, payload, headers, t0, chat)
 
         tasks: list[asyncio.Task[RequestResult]] = []
+        bar = tqdm(total=len(payloads), desc="requests", unit="req", disable=not progress, dynamic_ncols=True)
         for payload in payloads:
             if time.perf_counter() >= deadline:
                 break
             tasks.append(asyncio.create_task(one(payload)))
+            tasks[-1].add_done_callback(lambda _: bar.update(1))
             if math.isfinite(request_rate):
                 await asyncio.sleep(min(rng.expovariate(request_rate), max(0.0, deadline - time.perf_counter())))
         _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter())) if tasks else (
@@ -259,6 +267,7 @@ async def _drive(url: str, payloads: list[dict[str, Any]], headers: dict[str, st
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+        bar.close()
     return [t.result() for t in tasks if not t.cancelled()]
 
 
@@ -274,7 +283,7 @@ def _client_process(job: tuple, ready: Any, go: Any, t0: Any, results: Any) -> N
     go.wait()
     time.sleep(max(0.0, t0.value - time.perf_counter()))
     out = asyncio.run(_drive(url, payloads, headers, chat, concurrency, request_rate, seed, duration_limit,
-                             t0.value, limits, timeout))
+                             t0.value, limits, timeout, progress=index == 0))  # (one bar: client 0's share)
     results.put((index, [asdict(r) for r in out]))
 
 

@@ -146,21 +146,26 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     from tinyvllm.entrypoints.bench_offline import run_latency
 
     llm = LLM(**vars(engine_config(args, skip_tokenizer_init=True)))
-    r = run_latency(llm, args.input_len, args.output_len)
-    print(f"latency, batch 1, {args.input_len} prompt tokens, {args.output_len} output tokens: "
+    print(f"timing {args.batch_size} request(s) of {args.input_len} prompt tokens, {args.output_len} output tokens "
+          "each...", file=sys.stderr, flush=True)
+    r = run_latency(llm, args.input_len, args.output_len, batch_size=args.batch_size)
+    print(f"latency, batch {args.batch_size}, {args.input_len} prompt tokens, {args.output_len} output tokens: "
           f"TTFT {r['ttft_ms']:.2f} ms, TPOT median {r['tpot_ms_median']:.3f} ms ({r['tok_per_s']:.1f} tok/s)")
     return 0
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from tinyvllm import LLM
-    from tinyvllm.entrypoints.bench_offline import run_throughput, throughput_workload
+    from tinyvllm.entrypoints.bench_offline import random_workload, run_throughput, throughput_workload
 
     llm = LLM(**vars(engine_config(args, skip_tokenizer_init=True)))
-    prompts, params = throughput_workload(args.num_prompts, max_input=args.max_input_len,
-                                          max_output=args.max_output_len,
-                                          vocab_size=llm.llm_engine.model_config.vocab_size)
-    r = run_throughput(llm, prompts, params)
+    vocab_size = llm.llm_engine.model_config.vocab_size
+    if args.dataset_name == "random":
+        prompts, params = random_workload(args.num_prompts, args.input_len, args.output_len, vocab_size=vocab_size)
+    else:
+        prompts, params = throughput_workload(args.num_prompts, max_input=args.max_input_len,
+                                              max_output=args.max_output_len, vocab_size=vocab_size)
+    r = run_throughput(llm, prompts, params, use_tqdm=True)
     print(f"throughput, {args.num_prompts} prompts ({r['prompt_tokens']} tokens): {r['output_tokens']} output "
           f"tokens in {r['seconds']:.2f} s = {r['output_tok_per_s']:,.1f} output tok/s, {r['preemptions']} preemptions")
     return 0
@@ -220,16 +225,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_serve_args(p)
     p.set_defaults(func=cmd_bench_serve)
 
-    p = add_bench("latency", help="batch-1 time to first token and time per output token")
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=256)
+    p = add_bench("latency", help="time to first token and time per output token of a batch (1: latency-b1)")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=256, help="output tokens per request")
+    p.add_argument("--batch-size", type=int, default=1, help="requests started together")
     add_engine_args(p, skip=("skip_tokenizer_init",))  # (random weights: token ids only)
     p.set_defaults(func=cmd_bench_latency)
 
-    p = add_bench("throughput", help="offline output tokens per second (nano-vllm's bench workload)")
-    p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--max-input-len", type=int, default=1024)
-    p.add_argument("--max-output-len", type=int, default=1024)
+    p = add_bench("throughput", help="offline output tokens per second")
+    p.add_argument("--dataset-name", default="nano-vllm", choices=["nano-vllm", "random"],
+                   help="nano-vllm: random lengths up to --max-input-len/--max-output-len (nano-vllm's bench); "
+                        "random: every prompt --input-len tokens, every output --output-len (vLLM's)")
+    p.add_argument("--num-prompts", type=int, default=256, help="requests")
+    p.add_argument("--max-input-len", type=int, default=1024, help="nano-vllm: the longest prompt")
+    p.add_argument("--max-output-len", type=int, default=1024, help="nano-vllm: the longest output")
+    p.add_argument("--input-len", type=int, default=1024, help="random: prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=128, help="random: output tokens per request")
     add_engine_args(p, skip=("skip_tokenizer_init",))
     p.set_defaults(func=cmd_bench_throughput)
     return parser
