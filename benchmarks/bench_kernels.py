@@ -3,8 +3,8 @@
 - prefill attention (8 x 2048 causal, Llama-3.2-1B heads): TFLOP/s vs torch SDPA (flash, cuDNN);
 - decode attention (paged, block size 16): GB/s of K+V attended vs SDPA flash on contiguous KV and vs
   the device-to-device copy ceiling measured here;
-- RMSNorm, fused add+RMSNorm, RoPE, SiLU-and-mul at >= 64 MB: GB/s vs the copy ceiling and the torch
-  reference;
+- RMSNorm, fused add+RMSNorm, RoPE fused with the KV-cache store, SiLU-and-mul at >= 64 MB: GB/s vs the
+  copy ceiling and the torch reference;
 - sampling at vocabulary 128256, batch 1/64/256 (greedy, temperature, top-k/top-p/min-p, with and without
   the engine's hints, eager and in a CUDA graph): microseconds vs sample_ref or torch.argmax;
 - with --gemv, alone: the skinny matmul (tinyvllm/ops/linear.py) at M = 1..64 on the five Llama-3.2-1B
@@ -68,7 +68,11 @@ from tinyvllm.ops.linear import (  # noqa: E402
     split_k_for,
 )
 from tinyvllm.ops.pdl import pdl_options, pdl_wait  # noqa: E402
-from tinyvllm.ops.rotary import build_cos_sin_cache, rotary_embedding_ref, rotary_embedding_triton  # noqa: E402
+from tinyvllm.ops.rotary import (  # noqa: E402
+    build_cos_sin_cache,
+    rotary_embedding_and_store_ref,
+    rotary_embedding_and_store_triton,
+)
 from tinyvllm.ops.sampling import sample_ref, sample_triton  # noqa: E402
 
 DEVICE = torch.device("cuda")
@@ -256,14 +260,20 @@ def bench_elementwise(table: Table, ceiling: float) -> None:
     add(f"fused_add_rms_norm {tokens}x{HIDDEN}", 4 * size, lambda: fused_add_rms_norm_triton(x, residual, weight, 1e-5),
         lambda: fused_add_rms_norm_ref(x, residual, weight, 1e-5))
 
+    # RoPE fused with the KV-cache store, as the model runs it: q rotated in place, the rotated k and v to their
+    # cache slots (each token its own slot)
     qkv = torch.randn(tokens, (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, device=DEVICE, dtype=DTYPE)
-    q = qkv[:, : NUM_Q_HEADS * HEAD_DIM].view(tokens, NUM_Q_HEADS, HEAD_DIM)
-    k = qkv[:, NUM_Q_HEADS * HEAD_DIM : (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM].view(tokens, NUM_KV_HEADS, HEAD_DIM)
+    q, k, v = (t.view(tokens, -1, HEAD_DIM) for t in qkv.split(
+        [NUM_Q_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM], dim=1))
+    k_cache, v_cache = (torch.empty(tokens // BLOCK_SIZE, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device=DEVICE,
+                                    dtype=DTYPE) for _ in range(2))
+    slots = torch.randperm(tokens, device=DEVICE)
     cache = build_cos_sin_cache(HEAD_DIM, 131072, 500000.0, None, DEVICE)
     positions = torch.randint(0, 131072, (tokens,), device=DEVICE)
-    rope_bytes = 2 * (q.numel() + k.numel()) * 2 + tokens * HEAD_DIM * 4
-    add(f"rotary q {tokens}x{NUM_Q_HEADS}x{HEAD_DIM} + k {tokens}x{NUM_KV_HEADS}x{HEAD_DIM}", rope_bytes,
-        lambda: rotary_embedding_triton(positions, q, k, cache), lambda: rotary_embedding_ref(positions, q, k, cache))
+    rope_bytes = (2 * q.numel() + 2 * k.numel() + 2 * v.numel()) * 2 + tokens * HEAD_DIM * 4 + tokens * 8 * 2
+    add(f"rotary + kv store q {tokens}x{NUM_Q_HEADS}x{HEAD_DIM}, k v {tokens}x{NUM_KV_HEADS}x{HEAD_DIM}", rope_bytes,
+        lambda: rotary_embedding_and_store_triton(positions, q, k, v, cache, k_cache, v_cache, slots),
+        lambda: rotary_embedding_and_store_ref(positions, q, k, v, cache, k_cache, v_cache, slots))
 
     gate_up = torch.randn(tokens // 4, 2 * INTERMEDIATE, device=DEVICE, dtype=DTYPE)
     silu_bytes = gate_up.numel() * 2 * 3 // 2

@@ -1,4 +1,4 @@
-"""Shared by the GPU benchmarks: the Llama-3.2-1B-shaped random-weight model of shared/BENCHMARKS.md."""
+"""Shared by the GPU benchmarks: the Llama-3.2-1B-shaped random-weight model of docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def random_llama(path: str, shape: dict, dtype: str = "bfloat16") -> str:
 
 
 def random_llama_1b(path: str = "/tmp/llama-1b-random") -> str:
-    """The random-weight bf16 Llama-3.2-1B-shaped checkpoint of shared/BENCHMARKS.md."""
+    """The random-weight bf16 Llama-3.2-1B-shaped checkpoint of docs/benchmarks.md."""
     return random_llama(path, LLAMA_1B)
 
 

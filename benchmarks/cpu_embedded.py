@@ -1,4 +1,4 @@
-"""cpu-embedded (shared/BENCHMARKS.md): SmolLM2-135M-Instruct on this CPU, batch 1 and batch 16,
+"""cpu-embedded (docs/benchmarks.md): SmolLM2-135M-Instruct on this CPU, batch 1 and batch 16,
 64 generated tokens each, against transformers `generate` on the same GGUF in the same run."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""latency-b1 (shared/BENCHMARKS.md): batch 1, 128-token prompt, 256 greedy tokens, ignore_eos.
+"""latency-b1 (docs/benchmarks.md): batch 1, 128-token prompt, 256 greedy tokens, ignore_eos.
 
 Ours against transformers on the same model in the same run: `generate` with a static cache (its
 decode step compiled, CUDA graphs) after a warm-up, and eager `generate` on a shorter run.
@@ -15,7 +15,7 @@ import time
 
 from common import commit, cuda_ms, gpu_name, random_llama_1b, random_llama_tiny
 
-FLOOR_MS = 0.594  # batch-1 decode floor for the 1B model: weights / copy bandwidth (BENCHMARKS.md)
+FLOOR_MS = 0.594  # batch-1 decode floor for the 1B model: weights / copy bandwidth (docs/benchmarks.md)
 
 
 def hf_latency(path: str, prompt: list[int], output_len: int, static: bool,
@@ -51,57 +51,97 @@ def hf_latency(path: str, prompt: list[int], output_len: int, static: bool,
     return {"ttft_ms": ttft * 1e3, "tpot_ms": (total - ttft) / (output_len - 1) * 1e3}
 
 
-def step_breakdown(llm, prompt_len: int, output_len: int) -> dict[str, float]:
-    """Where a decode step's time goes: host time in each phase of LLMEngine.step (wrapped timers), and
-    the GPU time of one decode graph replay and of the LM head + the sampler's greedy path (CUDA events).
-    With async scheduling the phases of two steps interleave: a step launches the next batch, then waits for its
-    own tokens, so 'wait for the tokens' is the GPU time the host could not hide."""
+def step_breakdown(llm, prompt_len: int, output_len: int,
+                   record_gpu_time: bool = False) -> tuple[dict[str, float], int]:
+    """Where a decode step's time goes, from the engine's StepStats (LLMEngine.add_step_callback), over the
+    steps that only decode: the host time of each phase, the rest of the step's wall-clock period, and with
+    record_gpu_time each step's device time (CUDA events); then, on one GPU, the device time of a batch-1
+    decode through the model runner's CUDA graphs and of the LM head + the sampler's greedy path. Returns
+    the figures (ms, means per step) and the number of decode steps.
 
-    import torch
-
+    A step's period runs from the callback of the step before to its own. With async scheduling a step is
+    scheduled and launched during the step before it, then waits for its own tokens ('wait': the device time
+    the host could not hide), so a period holds the next step's schedule and launch and its own wait and
+    update; the rest is LLMEngine.step's other work (the output processor)."""
     from tinyvllm import SamplingParams
-    from tinyvllm.worker.sampler import AsyncSamplerOutput, SamplingTensors
 
     engine = llm.llm_engine
-    runner = engine.engine_core.model_runner
-    totals: dict[str, float] = {}
+    steps: list = []  # (StepStats, seconds since the callback of the step before)
+    last = [0.0]
 
-    def timed(name, fn):
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                totals[name] = totals.get(name, 0.0) + time.perf_counter() - t
-        return wrapper
+    def on_step(stats) -> None:
+        now = time.perf_counter()
+        steps.append((stats, now - last[0]))
+        last[0] = now
 
-    patched = [(engine.engine_core.scheduler, "schedule", "schedule"),
-               (runner, "prepare", "prepare (host arrays -> one copy to the device)"),
-               (runner, "execute", "launch (prepare + graph replay + LM head + sampler)"),
-               (AsyncSamplerOutput, "get", "wait for the tokens (GPU time not hidden)"),
-               (engine.engine_core.scheduler, "update", "scheduler update")]
-    originals = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patched]
-    for obj, attr, name in patched:
-        setattr(obj, attr, timed(name, getattr(obj, attr)))
-    prompt = [(100 + i) % engine.model_config.vocab_size for i in range(prompt_len)]  # (--small: 512 tokens)
+    engine.add_step_callback(on_step, record_gpu_time=record_gpu_time)  # (for the rest of this engine's life)
+    prompt = [(100 + i) % engine.model_config.vocab_size for i in range(prompt_len)]
     engine.add_request("breakdown", prompt, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
-    steps = 0
-    t0 = time.perf_counter()
+    last[0] = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
-        steps += 1
-    wall = time.perf_counter() - t0
-    for obj, attr, original in originals:
-        setattr(obj, attr, original)
-    result = {name: v / steps * 1e3 for name, v in totals.items()}
-    result["whole step"] = wall / steps * 1e3
-    if runner.graphs:
-        result["GPU: decode graph replay (16 layers)"] = cuda_ms(runner.graphs[1].replay, 100)
-        hidden = runner.graph_outputs[:1]
-        greedy = SamplingTensors.greedy()
-        with torch.inference_mode():  # the engine's tensors are inference tensors
-            result["GPU: LM head + greedy sampler"] = cuda_ms(
-                lambda: runner.sampler(runner.model.compute_logits(hidden), [], greedy), 100)
+    # Each phase counts in the period it ran in: a step whose inputs were in flight (async scheduling) was
+    # scheduled and launched during the step before, so the phases of a period add up to it.
+    launched_in: dict[int, list] = {}
+    for i, (stats, _) in enumerate(steps):
+        launched_in.setdefault(i - 1 if stats.num_inputs_in_flight and i else i, []).append(stats)
+    decode = [i for i, (stats, _) in enumerate(steps) if stats.num_prefill_tokens == 0]
+    result: dict[str, float] = {}
+    if decode:
+        def mean(values) -> float:
+            return sum(values) / len(decode)
+
+        result["schedule"] = mean(sum(s.schedule_ms for s in launched_in.get(i, ())) for i in decode)
+        result["launch (inputs, forward pass, sampler)"] = mean(
+            sum(s.launch_ms for s in launched_in.get(i, ())) for i in decode)
+        result["wait for the tokens (device time not hidden)"] = mean(steps[i][0].wait_ms for i in decode)
+        result["update (the scheduler takes the tokens)"] = mean(steps[i][0].update_ms for i in decode)
+        period = mean(steps[i][1] * 1e3 for i in decode)
+        result["rest of LLMEngine.step (output processor)"] = period - sum(result.values())
+        result["whole step (callback to callback)"] = period
+        gpu = [steps[i][0].gpu_ms for i in decode if steps[i][0].gpu_ms is not None]
+        if gpu:
+            result["GPU: whole step (CUDA events)"] = sum(gpu) / len(gpu)
+    if engine.device.type == "cuda" and engine.config.tensor_parallel_size == 1:  # (rank 0 alone would hang)
+        result.update(decode_gpu_ms(llm, prompt_len + output_len))
+    return result, len(decode)
+
+
+def decode_gpu_ms(llm, context: int) -> dict[str, float]:
+    """GPU time (CUDA events) of one decode at batch 1 and `context` tokens through the model runner's CUDA
+    graphs (with the copy of the inputs into the graph's buffers), if it has them, and of the LM head + the
+    sampler's greedy path (with the tokens' copy to the host)."""
+    import numpy as np
+    import torch
+
+    from tinyvllm.ops import AttentionMetadata
+    from tinyvllm.worker.sampler import SamplingTensors
+
+    engine = llm.llm_engine
+    runner, block_size, device = engine.engine_core.model_runner, engine.config.block_size, engine.device
+    num_blocks = min(-(-context // block_size), engine.engine_core.block_manager.num_blocks)
+    context = min(context, num_blocks * block_size)
+    meta = AttentionMetadata(  # one sequence, its KV in blocks 0, 1, ...; slot -1: the step stores no K/V
+        cu_query_lens=torch.tensor([0, 1], dtype=torch.int32, device=device),
+        context_lens=torch.tensor([context], dtype=torch.int32, device=device),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
+        slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=device), max_query_len=1,
+        max_context_len=context)
+    input_ids = torch.full((1,), 100, dtype=torch.int64, device=device)
+    positions = torch.full((1,), context - 1, dtype=torch.int64, device=device)
+    result = {}
+    with torch.inference_mode():  # the engine's tensors are inference tensors
+        graphs = runner.cuda_graphs
+        if graphs is not None:
+            layers = engine.model_config.num_layers
+            result[f"GPU: decode graph replay, batch 1 (inputs in + {layers} layers)"] = cuda_ms(
+                lambda: graphs.replay(input_ids, positions, meta), 100)
+            hidden = graphs.replay(input_ids, positions, meta)
+        else:
+            hidden = torch.randn(1, engine.model_config.hidden_size, dtype=runner.dtype, device=device)
+        greedy, rows = SamplingTensors.greedy(), np.zeros(1, dtype=np.int64)
+        result["GPU: LM head + greedy sampler"] = cuda_ms(
+            lambda: runner.sampler(runner.model.compute_logits(hidden), greedy, runner.input_batch, rows, [0]), 100)
     return result
 
 
@@ -116,6 +156,9 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-async-scheduling", action="store_true", help="launch each step after the last ends")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks, one GPU each (issue 7)")
+    parser.add_argument("--no-step-gpu-time", action="store_true",
+                        help="time the breakdown's steps on the host only (on a GPU each step is also timed by CUDA "
+                             "events, which adds a little host time to its launch)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     for name, large, small in (("prompt_len", 128, 16), ("output_len", 256, 8)):
@@ -134,14 +177,15 @@ def main() -> None:
               tensor_parallel_size=args.tensor_parallel_size, **({"device": "cpu"} if args.small else {}))
     try:
         ours = run_latency(llm, args.prompt_len, args.output_len)
-        breakdown = step_breakdown(llm, args.prompt_len, args.output_len)
+        breakdown, decode_steps = step_breakdown(llm, args.prompt_len, args.output_len,
+                                                 device == "cuda" and not args.no_step_gpu_time)
     finally:
         llm.llm_engine.shutdown()  # the tensor-parallel workers, before the peer needs the GPU
     vocab_size = llm.llm_engine.model_config.vocab_size
     prompt = [(1000 + i) % vocab_size for i in range(args.prompt_len)]  # (the 1B's: 1000, 1001, ...)
     del llm
     result = {"commit": commit(), "gpu": gpu_name(), "ours": ours, "step_breakdown_ms": breakdown,
-              "tensor_parallel_size": args.tensor_parallel_size}
+              "step_breakdown_decode_steps": decode_steps, "tensor_parallel_size": args.tensor_parallel_size}
     print(f"latency-b1 on {result['gpu']} at {result['commit']} ({args.prompt_len} prompt, {args.output_len} output)")
     mode = ", ".join(m for m, on in (("eager", args.enforce_eager), ("sync", args.no_async_scheduling),
                                      (f"tensor_parallel_size {args.tensor_parallel_size}",
@@ -149,9 +193,11 @@ def main() -> None:
     floor = "" if args.small else f", {FLOOR_MS / ours['tpot_ms_median']:.0%} of the {FLOOR_MS} ms bandwidth floor"
     print(f"  tinyvllm{f' ({mode})' if mode else ''}: TTFT {ours['ttft_ms']:.2f} ms, "
           f"TPOT median {ours['tpot_ms_median']:.3f} ms ({ours['tok_per_s']:.0f} tok/s){floor}")
-    print("  where a decode step's time goes (ms per step; with async scheduling launch and wait interleave):")
+    print(f"  where a decode step's time goes (ms per step, mean of {decode_steps}; with async scheduling a step is "
+          "launched in the step before):")
+    width = max(map(len, breakdown), default=0)
     for name, ms in breakdown.items():
-        print(f"    {name:<42} {ms:7.3f}")
+        print(f"    {name:<{width}} {ms:7.3f}")
     if not args.no_peer:
         compiled = "" if args.small else " (compiled)"  # (transformers compiles on a GPU only)
         for name, static, n in ((f"transformers static cache{compiled}", True, args.output_len),

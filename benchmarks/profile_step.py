@@ -70,7 +70,8 @@ def bench_matmuls(batches: list[int]) -> list[dict]:
 
 
 def decoding_llm(path: str, batch: int, context: int, temperature: float = 0.6, **engine_args):
-    """An engine with `batch` sequences of `context` prompt tokens, all past their prefill (decoding)."""
+    """An engine with `batch` sequences of `context` prompt tokens, all decoding: stepped until each request's
+    output (LLMEngine.step's RequestOutputs) has two tokens, one from its prefill and one from a decode step."""
     from tinyvllm import LLM, SamplingParams
 
     llm = LLM(path, skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=max(batch, 1),
@@ -79,8 +80,10 @@ def decoding_llm(path: str, batch: int, context: int, temperature: float = 0.6, 
     for i in range(batch):
         engine.add_request(str(i), [(7 * i + j) % 10000 for j in range(context)],
                            SamplingParams(temperature=temperature, max_tokens=64, ignore_eos=True))
-    while engine.engine_core.scheduler.waiting or any(s.num_output_tokens < 2 for s in engine.engine_core.scheduler.running):
-        engine.step()
+    num_outputs = dict.fromkeys(map(str, range(batch)), 0)
+    while min(num_outputs.values(), default=2) < 2:
+        for output in engine.step():
+            num_outputs[output.request_id] = len(output.outputs[0].token_ids)
     return llm
 
 
@@ -207,14 +210,15 @@ def engine_timeline(path: str, batch: int = 1, context: int = 128, steps: int = 
 
 
 def graph_step_ms(path: str, batch: int, context: int) -> float:
-    """GPU time of one decode step's graph (16 layers) at `batch`, by CUDA events."""
+    """GPU time of one decode step's graph (16 layers) at `batch`, by CUDA events: the model runner's CUDA
+    graph of that size replayed over the inputs of the engine's last decode step, still in its buffers."""
     import torch
 
     llm = decoding_llm(path, batch, context)
     engine = llm.llm_engine
-    runner = engine.engine_core.model_runner
-    bs = next(b for b in runner.graph_batch_sizes if b >= batch)
-    ms = cuda_ms(runner.graphs[bs].replay, 50)
+    graphs = engine.engine_core.model_runner.cuda_graphs
+    bs = next(b for b in graphs.batch_sizes if b >= batch)
+    ms = cuda_ms(graphs.graphs[bs].replay, 50)
     print(f"  graph replay, batch {batch} (graph {bs}): {ms:.3f} ms")
     del llm, engine
     torch.cuda.empty_cache()

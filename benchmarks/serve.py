@@ -6,7 +6,7 @@
 # python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; PYTHONUNBUFFERED=1 TINYVLLM_COMMIT=COMMIT python3 benchmarks/serve.py --json $OUT/serve.json --server-log $OUT/server.log  # noqa: E501
 """serve (issue 5): `tinyvllm serve` under load: TTFT, TPOT and ITL at concurrency 1, 16, 64 and 256.
 
-The server runs the random-weight Llama-3.2-1B of shared/BENCHMARKS.md in a subprocess on loopback. That
+The server runs the random-weight Llama-3.2-1B of docs/benchmarks.md in a subprocess on loopback. That
 model has no tokenizer, so the server runs with --skip-tokenizer-init and takes token-id prompts. The load
 is `tinyvllm bench serve`'s: streamed /v1/completions of --input-len random token ids asking for
 --output-len tokens each (greedy, ignore_eos), at most `concurrency` in flight. Each level starts with an
@@ -130,7 +130,8 @@ def offline(path: str, prompts: list[list[int]], warm_prompts: list[list[int]], 
     seconds = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"requests": len(prompts), "output_tokens": generated, "seconds": seconds,
-            "output_tok_per_s": generated / seconds, "preemptions": llm.llm_engine.engine_core.scheduler.num_preemptions}
+            "output_tok_per_s": generated / seconds,
+            "preemptions": llm.llm_engine.get_stats()["num_preemptions"]}
 
 
 def table(levels: list[dict[str, Any]]) -> str:

@@ -1,4 +1,4 @@
-"""shared-prefix (shared/BENCHMARKS.md): 256 requests sharing a 1,024-token system prompt, each with its
+"""shared-prefix (docs/benchmarks.md): 256 requests sharing a 1,024-token system prompt, each with its
 own 64-token question, 128 output tokens; output tok/s and time to first token with prefix caching on
 and off, in the same run. `--small` is the scaled-down CPU version on the embedded model."""
 

@@ -1,4 +1,4 @@
-"""throughput-256 and static-vs-continuous (shared/BENCHMARKS.md): nano-vllm's bench.py workload.
+"""throughput-256 and static-vs-continuous (docs/benchmarks.md): nano-vllm's bench.py workload.
 
 Ours (continuous and static scheduling) against transformers' continuous batching `generate_batch`
 on the same model in the same run (on a shorter workload, said in the output: it is ~30x slower).
@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import time
 
 from common import commit, gpu_name, random_llama_1b, random_llama_tiny
 
-SPEED_OF_LIGHT = 70_700  # output tok/s, BENCHMARKS.md
+SPEED_OF_LIGHT = 70_700  # output tok/s, docs/benchmarks.md
 
 
 def hf_throughput(path: str, prompts: list[list[int]], max_new_tokens: int,
@@ -47,44 +48,70 @@ def hf_throughput(path: str, prompts: list[list[int]], max_new_tokens: int,
     return {"output_tokens": generated, "seconds": seconds, "output_tok_per_s": generated / seconds}
 
 
-def trace_steps(llm) -> list[tuple[int, int, float]]:
-    """Wraps the engine so that each step records (sequences, tokens, seconds) of the batch whose outputs it
-    returns (with async scheduling a step also launches the next batch: that one is not the step's); returns
-    the list it fills."""
-    engine = llm.llm_engine
-    records: list[tuple[int, int, float]] = []
-    process, step = engine._process, engine.step
-    processed: list = [None]
+class StepTrace:
+    """A step callback (LLMEngine.add_step_callback, with the steps' GPU time): each step's StepStats and its
+    wall-clock period, from the callback of the step before (or from clear()) to its own."""
 
-    def traced_process(batch, pending):
-        processed[0] = batch
-        return process(batch, pending)
+    def __init__(self, llm) -> None:
+        self.records: list = []  # (StepStats, seconds)
+        self.last = time.perf_counter()
+        llm.llm_engine.add_step_callback(self, record_gpu_time=True)
 
-    def traced_step():
-        start = time.perf_counter()
-        processed[0] = None
-        outputs = step()
-        if processed[0] is not None:
-            records.append((len(processed[0].seqs), processed[0].num_batched_tokens, time.perf_counter() - start))
-        return outputs
+    def __call__(self, stats) -> None:
+        now = time.perf_counter()
+        self.records.append((stats, now - self.last))
+        self.last = now
 
-    engine._process, engine.step = traced_process, traced_step
-    return records
+    def clear(self) -> None:
+        """Forget the steps so far (the warm-up's); the next step's period starts now."""
+        self.records.clear()
+        self.last = time.perf_counter()
 
 
-def summarize_trace(records: list[tuple[int, int, float]]) -> dict[str, float]:
-    """Steps that only decode against steps that also prefill, and decode step time by batch size."""
-    decode = [r for r in records if r[0] == r[1]]
-    mixed = [r for r in records if r[0] != r[1]]
-    summary = {"steps": len(records), "decode_steps": len(decode), "decode_s": sum(r[2] for r in decode),
-               "mixed_steps": len(mixed), "mixed_s": sum(r[2] for r in mixed),
-               "mixed_tokens": sum(r[1] for r in mixed)}
-    for low, high in ((1, 64), (65, 128), (129, 192), (193, 256)):
-        times = [r[2] for r in decode if low <= r[0] <= high]
-        if times:
-            summary[f"decode {low}-{high} ms/step"] = 1e3 * sum(times) / len(times)
-            summary[f"decode {low}-{high} steps"] = len(times)
+def summarize_trace(records: list, max_num_seqs: int = 256) -> dict[str, float]:
+    """Steps that only decode against steps that also prefill, and the decode steps by batch size (in bands
+    of 64 sequences): per step, the wall clock, the host's own time (schedule + launch + update) and, where
+    recorded, the GPU's (CUDA events)."""
+
+    def figures(name: str, group: list) -> dict[str, float]:
+        out = {f"{name} steps": len(group), f"{name} s": sum(seconds for _, seconds in group)}
+        if group:
+            out[f"{name} ms/step"] = 1e3 * out[f"{name} s"] / len(group)
+            out[f"{name} host ms/step"] = sum(s.host_ms for s, _ in group) / len(group)
+            gpu = [s.gpu_ms for s, _ in group if s.gpu_ms is not None]
+            if gpu:
+                out[f"{name} GPU ms/step"] = sum(gpu) / len(gpu)
+        return out
+
+    decode = [r for r in records if r[0].num_prefill_tokens == 0]
+    mixed = [r for r in records if r[0].num_prefill_tokens > 0]
+    summary = {"steps": len(records), **figures("decode", decode), **figures("mixed", mixed),
+               "mixed prefill tokens": sum(s.num_prefill_tokens for s, _ in mixed),
+               "mixed decode tokens": sum(s.num_decode_tokens for s, _ in mixed)}
+    for low in range(1, max_num_seqs + 1, 64):
+        high = min(low + 63, max_num_seqs)
+        band = [r for r in decode if low <= r[0].num_seqs <= high]
+        if band:
+            summary.update(figures(f"decode {low}-{high}", band))
     return summary
+
+
+def print_trace(summary: dict[str, float]) -> None:
+    timed = ", GPU (CUDA events)" if any(k.endswith(" GPU ms/step") for k in summary) else ""
+    print(f"    {summary['steps']} steps; per step: wall clock, the step's own host time (schedule + launch + update)"
+          f"{timed}")
+    bands = [k[: -len(" steps")] for k in summary if re.fullmatch(r"decode \d+-\d+ steps", k)]
+    for name in ["mixed", "decode", *bands]:
+        n = summary[f"{name} steps"]
+        if not n:
+            continue
+        gpu = summary.get(f"{name} GPU ms/step")
+        line = (f"      {name + ':':<16} {n:6} steps, {summary[f'{name} s']:7.3f} s, "
+                f"{summary[f'{name} ms/step']:7.3f} ms wall, {summary[f'{name} host ms/step']:7.3f} ms host"
+                + ("" if gpu is None else f", {gpu:7.3f} ms GPU"))
+        if name == "mixed":
+            line += f" ({summary['mixed prefill tokens']} prefill + {summary['mixed decode tokens']} decode tokens)"
+        print(line)
 
 
 def main() -> None:
@@ -103,7 +130,8 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks, one GPU each (issue 7)")
     parser.add_argument("--max-num-seqs", type=int, default=256,
                         help="below the number of prompts, static batching waits on each batch's longest request")
-    parser.add_argument("--trace", action="store_true", help="time every step: decode-only vs mixed, by batch")
+    parser.add_argument("--trace", action="store_true",
+                        help="time every step (wall clock, host, GPU): decode-only vs mixed, by batch size")
     parser.add_argument("--repeat", type=int, default=1, help="run each scheduling policy this many times, "
                         "alternating (a fresh engine each time), to see the run-to-run spread")
     parser.add_argument("--json", default=None)
@@ -140,22 +168,22 @@ def main() -> None:
                   max_model_len=4096, max_num_seqs=args.max_num_seqs,
                   enable_prefix_caching=not args.no_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
                   **engine_kwargs)
-        records = trace_steps(llm) if args.trace else None
+        trace = StepTrace(llm) if args.trace else None
         try:
-            r = run_throughput(llm, prompts, params, on_start=records.clear if records is not None else None)
+            r = run_throughput(llm, prompts, params, on_start=trace.clear if trace is not None else None)
         finally:
             llm.llm_engine.shutdown()  # the tensor-parallel workers, before the next engine starts its own
-        if records is not None:
-            r["trace"] = summarize_trace(records)
-            print("    steps:", ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
-                                         for k, v in r["trace"].items()))
-        r["num_kv_blocks"] = llm.llm_engine.engine_core.block_manager.num_blocks
+        if trace is not None:
+            r["trace"] = summarize_trace(trace.records, args.max_num_seqs)
+        r["num_kv_blocks"] = llm.llm_engine.get_stats()["num_blocks"]
         result.setdefault(scheduling, r)
         result.setdefault("runs", []).append({"scheduling": scheduling, **r})
         light = "" if args.small else (f", {r['output_tok_per_s'] / SPEED_OF_LIGHT:.0%} of the ~{SPEED_OF_LIGHT:,} "
                                        "tok/s speed of light")
         print(f"  tinyvllm {name}: {r['output_tok_per_s']:,.0f} output tok/s ({r['seconds']:.1f} s, "
               f"{r['preemptions']} preemptions){light}")
+        if trace is not None:
+            print_trace(r["trace"])
         del llm
         torch.cuda.empty_cache()
     if "static" in result:
