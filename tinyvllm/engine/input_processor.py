@@ -6,6 +6,7 @@ with the same messages."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,39 @@ class InputProcessor:
             raise InputError("the prompt is empty", "prompt")
         self.check_token_ids(prompt, "prompt")
         return None, list(prompt)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for: its vocabulary's longest entry (added tokens included).
+        Byte-level BPE spells each byte as one character and SentencePiece each character as itself (its
+        byte-fallback entries spell one byte in six), so no token decodes to more characters than its entry
+        has, as long as the tokenizer's normalizer drops no characters (theirs do not)."""
+        vocab = self.need_tokenizer("counting a text's tokens").get_vocab()
+        return max(map(len, vocab), default=1) or 1
+
+    def check_text_length(self, text: str | list[Message], param: str = "prompt") -> None:
+        """Refuse, before tokenizing it, a text that cannot fit the context: of more characters than
+        max_model_len tokens of the longest kind can spell (tokenizing megabytes only to refuse them takes
+        seconds). `text`: a prompt, or a conversation (its messages' text counts). Without a tokenizer
+        there is nothing to check: a text is refused as such where it is tokenized."""
+        if self.tokenizer is None:
+            return
+        if isinstance(text, str):
+            num_chars, what = len(text), "the prompt"
+        else:
+            num_chars, what = 0, "the messages' text"
+            for message in text:
+                content = message.get("content") if isinstance(message, dict) else None
+                if isinstance(content, str):
+                    num_chars += len(content)
+                elif isinstance(content, list):
+                    num_chars += sum(len(part["text"]) for part in content
+                                     if isinstance(part, dict) and isinstance(part.get("text"), str))
+        limit = self.max_model_len * self.max_token_chars
+        if num_chars > limit:
+            raise InputError(f"{what} has {num_chars:,} characters: more than the {limit:,} that could fit in the "
+                             f"model's context of {self.max_model_len} tokens (of at most {self.max_token_chars} "
+                             "characters each); shorten the text", param)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
