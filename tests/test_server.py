@@ -9,6 +9,7 @@ stops the server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -16,6 +17,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -55,9 +58,10 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         self.model = "SmolLM2-135M-Instruct"
 
-    def log(self) -> str:
+    def log(self, tail: int | None = 4000) -> str:
         with open(self.log_path, errors="replace") as f:
-            return f.read()[-4000:]
+            text = f.read()
+        return text[-tail:] if tail else text
 
     def client(self, **kwargs: Any) -> Any:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=300,
@@ -77,31 +81,47 @@ class Server:
                     samples[sample.name] = sample.value
         return samples
 
+    def finished(self) -> dict[str, float]:
+        """request_success_total by finished_reason."""
+        return finished_counts(httpx.get(f"{self.url}/metrics", timeout=30, trust_env=False).text)
+
+
+def finished_counts(metrics_text: str) -> dict[str, float]:
+    """request_success_total by finished_reason, from a /metrics page."""
+    return {sample.labels["finished_reason"]: sample.value
+            for family in prometheus_parser.text_string_to_metric_families(metrics_text)
+            for sample in family.samples if sample.name == "tinyvllm:request_success_total"}
+
 
 def _single_threaded_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
             "PYTHONUNBUFFERED": "1"}
 
 
+@contextlib.contextmanager
+def serve(log_dir: Path, *args: str) -> Iterator[Server]:
+    """A `tinyvllm serve *args` process on a free loopback port, its output in log_dir/server.log; killed
+    at the end if it is still running. (It is not healthy yet: see _wait_healthy.)"""
+    port = _free_port()
+    log_path = str(log_dir / "server.log")
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "tinyvllm", "serve", "--port", str(port), *args],
+                                   cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=_single_threaded_env())
+        try:
+            yield Server(process, port, log_path)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(30)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
-    log_path = str(tmp_path_factory.mktemp("server") / "server.log")
-    log = open(log_path, "w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tinyvllm", "serve", "--port", str(port), "--api-key", API_KEY,
-         "--num-kv-blocks", "512", "--max-num-seqs", "64", "--log-level", "warning",
-         # as on a GPU, where it is the default: the engine thread launches step N+1 before reading step N
-         "--async-scheduling"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=_single_threaded_env())
-    srv = Server(process, port, log_path)
-    try:
+    with serve(tmp_path_factory.mktemp("server"), "--api-key", API_KEY, "--num-kv-blocks", "512",
+               "--max-num-seqs", "64", "--log-level", "warning",
+               # as on a GPU, where it is the default: the engine thread launches step N+1 before reading step N
+               "--async-scheduling") as srv:
         yield srv
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(30)
-        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -355,6 +375,52 @@ def test_errors_then_good_requests(live):
         live.client().completions.create(model=live.model, prompt="Hi", max_tokens=1, temperature=-1)
 
 
+def test_unsupported_fields_are_refused(live):
+    """What the server would not honour (structured output, tools, logit_bias, a field it does not know) is a
+    400 that names it and says what to do, not free text that ignores it; what it honours, harmless metadata,
+    the values that ask for nothing, and unknown fields sent as null still pass."""
+    client = live.client()
+    messages = CHAT_MESSAGES[0]
+    schema = {"name": "answer", "schema": {"type": "object", "properties": {"n": {"type": "integer"}}}}
+    refused = [
+        (dict(response_format={"type": "json_schema", "json_schema": schema}), "response_format"),
+        (dict(response_format={"type": "json_object"}), "response_format"),
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+        (dict(tool_choice="required"), "tool_choice"),
+        (dict(functions=[{"name": "f", "parameters": {}}]), "functions"),
+        (dict(function_call={"name": "f"}), "function_call"),
+        (dict(logit_bias={"5": 10}), "logit_bias"),
+        (dict(reasoning_effort="high"), "reasoning_effort"),
+        (dict(extra_body={"guided_json": {"type": "object"}}), "guided_json"),
+    ]
+    for kwargs, param in refused:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=live.model, messages=messages, max_tokens=1, **kwargs)
+        assert caught.value.body["param"] == param, caught.value.body
+        assert param in caught.value.body["message"] and "remove" in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model=live.model, prompt="Hi", max_tokens=1, logit_bias={"5": 10})
+    with pytest.raises(openai.BadRequestError, match="best_of_n"):
+        client.completions.create(model=live.model, prompt="Hi", max_tokens=1, extra_body={"best_of_n": 2})
+    http = live.http()
+    nested = http.post("/v1/chat/completions", json={"model": live.model, "max_tokens": 1, "messages": [
+        {"role": "user", "content": "Hi", "tool_calls": [{"id": "1", "type": "function"}]}]})
+    _assert_error(nested, 400, "messages.0.tool_calls")
+    _assert_error(http.post("/tokenize", json={"prompt": "Hi", "truncate": 3}), 400, "truncate")
+
+    accepted = client.chat.completions.create(
+        model=live.model, messages=messages, max_tokens=1, user="u-1", response_format={"type": "text"},
+        tool_choice="none", logit_bias={}, metadata={"team": "a"}, parallel_tool_calls=False, safety_identifier="s",
+        extra_body={"unknown_but_null": None, "top_k": 5})
+    assert accepted.usage.completion_tokens == 1
+    body = {"model": live.model, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi", "refusal": None}],
+            "tools": None, "tool_choice": "auto", "functions": [], "stream": True,
+            "stream_options": {"include_usage": True, "include_obfuscation": False}}
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200, response.read()
+        assert [line for line in response.iter_lines() if line][-1] == "data: [DONE]"
+
+
 # ---- aborts and metrics --------------------------------------------------------------------------------
 def _wait_idle(live: Server, timeout: float = 10.0) -> dict[str, float]:
     deadline = time.time() + timeout
@@ -368,7 +434,10 @@ def _wait_idle(live: Server, timeout: float = 10.0) -> dict[str, float]:
 
 
 def test_client_disconnect_aborts_and_frees_kv(live):
+    """A client that goes away aborts its request, which frees its KV blocks and counts under
+    request_success_total{finished_reason="abort"}."""
     start = _wait_idle(live)
+    aborted = live.finished().get("abort", 0)
     body = {"model": live.model, "prompt": "Write a long story about a dragon.", "max_tokens": 400,
             "ignore_eos": True, "temperature": 0}
     # streamed: read a few chunks, then drop the connection
@@ -383,6 +452,7 @@ def test_client_disconnect_aborts_and_frees_kv(live):
     assert m["tinyvllm:num_requests_running"] == 0 and m["tinyvllm:kv_cache_usage_perc"] == 0, m
     generated = m["tinyvllm:generation_tokens_total"] - start["tinyvllm:generation_tokens_total"]
     assert generated < 100  # aborted, not run to its 400 tokens
+    assert live.finished().get("abort", 0) == aborted + 1
 
     # not streamed: the client gives up waiting
     with pytest.raises(httpx.TimeoutException), live.http() as http:
@@ -391,6 +461,7 @@ def test_client_disconnect_aborts_and_frees_kv(live):
     assert m2["tinyvllm:num_requests_running"] == 0 and m2["tinyvllm:kv_cache_usage_perc"] == 0, m2
     assert m2["tinyvllm:generation_tokens_total"] - m["tinyvllm:generation_tokens_total"] < 100
     assert m2["tinyvllm:num_free_kv_blocks"] == m2["tinyvllm:num_kv_blocks"]
+    assert live.finished().get("abort", 0) == aborted + 2
 
 
 def test_metrics_parse_and_move(live):

@@ -185,7 +185,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="require `Authorization: Bearer KEY` (default: $TINYVLLM_API_KEY; none if unset)")
     g.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
-    g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                   help="log every HTTP request: client, method, path, status, duration in ms (at level info)")
+    g.add_argument("--max-request-body-mb", type=float, default=16.0,
+                   help="refuse a request body larger than this many MB (2**20 bytes) with 413")
     g.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="on SIGINT/SIGTERM, seconds to wait for open connections before closing them")
 

@@ -4,9 +4,14 @@
     GET  /v1/models, /health, /metrics, /version;  POST /tokenize, /detokenize  (as vLLM's)
 
 A request is validated (pydantic, then SamplingParams, then the engine's own checks) before anything
-is streamed, so a bad one gets a 400 and leaves the others alone. Every way a response can end early
-(the client went away, the server is shutting down) aborts its engine requests, which frees their KV
-blocks. This module imports fastapi, uvicorn and prometheus_client: only `tinyvllm serve` loads it."""
+is streamed, so a bad one gets a 400 and leaves the others alone. Its body is capped (413 beyond
+--max-request-body-mb), and what costs time in proportion to it (JSON parsing, validation, tokenizing, chat
+templates) runs on one input thread of the app's own, so that the event loop keeps answering the other
+requests meanwhile: one thread, because the server's copy of the tokenizer must not be used by two at
+once. Every way a response can end early (the client went away, the server is shutting down) aborts its
+engine requests, which frees their KV blocks. Each request is logged (method, path, status, milliseconds)
+unless --no-access-log. This module imports fastapi, uvicorn and prometheus_client: only `tinyvllm serve`
+loads it."""
 
 import argparse
 import asyncio
@@ -15,7 +20,9 @@ import json
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -41,8 +48,10 @@ from tinyvllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from tinyvllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
 logger = logging.getLogger("tinyvllm.entrypoints.openai")
+access_logger = logging.getLogger("tinyvllm.access")
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
+T = TypeVar("T")
 
 # Paths anyone may read even when the server has an API key (as vLLM: probes and scrapers hold no key).
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
@@ -68,9 +77,88 @@ class _ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class BodyTooLarge(Exception):
+    """A request body (sent without a Content-Length) grew past the cap while it was read."""
+
+
+def _too_large_message(max_bytes: int) -> str:
+    return (f"the request body is larger than this server's limit of {max_bytes / 2**20:g} MB: send a smaller "
+            "request (the server's --max-request-body-mb sets the limit)")
+
+
+class _BodyLimitMiddleware:
+    """413 for a body over `max_bytes`: at once if its Content-Length says so (nothing of it is read), else
+    as soon as the bytes read pass the cap (BodyTooLarge, raised where the route reads the body)."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await error_response(413, _too_large_message(self.max_bytes))(scope, receive, send)
+            return
+        received = 0
+
+        async def receive_capped() -> Any:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge()
+            return message
+
+        await self.app(scope, receive_capped, send)
+
+
+class _AccessLogMiddleware:
+    """One line per request once its response has ended (a stream's included): client, method, path,
+    HTTP version, status and duration, as uvicorn's access log plus the milliseconds."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500  # unless a response starts
+
+        async def send_logged(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_logged)
+        finally:
+            client = scope.get("client")
+            path = scope.get("root_path", "") + scope["path"]
+            if scope.get("query_string"):
+                path += "?" + scope["query_string"].decode("latin-1")
+            access_logger.info('%s - "%s %s HTTP/%s" %d %.1f ms', f"{client[0]}:{client[1]}" if client else "-",
+                               scope["method"], path, scope.get("http_version", "1.1"), status,
+                               (time.perf_counter() - start) * 1000)
+
+
 def _validation_message(errors: list[Any]) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
+    unknown = [".".join(str(x) for x in e.get("loc", ()) if x != "body") for e in errors
+               if e.get("type") == "extra_forbidden"]
+    if unknown:
+        names = ", ".join(f"`{name}`" for name in unknown[:10]) + (" ..." if len(unknown) > 10 else "")
+        one = len(unknown) == 1
+        return (f"unsupported field{'' if one else 's'} {names}: this server does not act on "
+                f"{'it' if one else 'them'}, and refuses a request rather than ignore what it asks; remove "
+                f"{'it' if one else 'them'}"), unknown[0]
     parts, param = [], None
     for error in errors[:3]:
         loc = [str(x) for x in error.get("loc", ()) if x != "body"]
@@ -81,9 +169,8 @@ def _validation_message(errors: list[Any]) -> tuple[str, str | None]:
     return "; ".join(parts) + more, param
 
 
-async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
+def parse_body(raw: bytes, model: type[BodyT]) -> BodyT:
     """The JSON body as `model` (whatever the Content-Type says, as OpenAI's clients all send JSON)."""
-    raw = await request.body()
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -95,12 +182,17 @@ async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
         raise APIError(400, message, param) from e
 
 
-def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None) -> FastAPI:
+def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None, *, max_body_mb: float,
+              access_log: bool = True) -> FastAPI:
     """The FastAPI app. Its lifespan starts the engine thread and stops it on shutdown."""
     metrics = ServerMetrics(engine, served_model_name)
     server = OpenAIServing(engine, served_model_name, metrics)  # /v1/models, /tokenize, /detokenize
     completion = OpenAIServingCompletion(engine, served_model_name, metrics)
     chat = OpenAIServingChat(engine, served_model_name, metrics)
+    # The input thread: parsing, checks, tokenizing and chat templates, off the event loop (one thread:
+    # the server's tokenizer is not safe to use from two at once).
+    inputs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinyvllm-inputs")
+    max_body_bytes = int(max_body_mb * 2**20)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -108,15 +200,29 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         try:
             yield
         finally:
+            inputs.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(engine.shutdown)
 
+    async def prepare(raw_request: Request, model: type[BodyT], handle: Callable[[BodyT], T]) -> T:
+        """`handle(body)` for the request's body as `model`, parsed and handled on the input thread."""
+        raw = await raw_request.body()
+        return await asyncio.get_running_loop().run_in_executor(inputs, lambda: handle(parse_body(raw, model)))
+
     app = FastAPI(title="tinyvllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # (the last added runs first: the access log sees every request, the API key is checked before the body)
+    app.add_middleware(_BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    if access_log:
+        app.add_middleware(_AccessLogMiddleware)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(BodyTooLarge)
+    async def _body_too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
+        return error_response(413, _too_large_message(max_body_bytes))
 
     @app.exception_handler(InputError)
     async def _input_error(request: Request, exc: InputError) -> JSONResponse:
@@ -167,19 +273,21 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
 
     @app.post("/v1/completions")
     async def completions(raw_request: Request) -> Response:
-        return await completion.create_completion(await parse_body(raw_request, CompletionRequest), raw_request)
+        prepared = await prepare(raw_request, CompletionRequest, completion.prepare)
+        return await completion.create_completion(prepared, raw_request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw_request: Request) -> Response:
-        return await chat.create_chat_completion(await parse_body(raw_request, ChatCompletionRequest), raw_request)
+        prepared = await prepare(raw_request, ChatCompletionRequest, chat.prepare)
+        return await chat.create_chat_completion(prepared, raw_request)
 
     @app.post("/tokenize")
     async def tokenize(raw_request: Request) -> JSONResponse:
-        return JSONResponse(server.tokenize(await parse_body(raw_request, TokenizeRequest)).model_dump())
+        return JSONResponse((await prepare(raw_request, TokenizeRequest, server.tokenize)).model_dump())
 
     @app.post("/detokenize")
     async def detokenize(raw_request: Request) -> JSONResponse:
-        return JSONResponse(server.detokenize(await parse_body(raw_request, DetokenizeRequest)).model_dump())
+        return JSONResponse((await prepare(raw_request, DetokenizeRequest, server.detokenize)).model_dump())
 
     return app
 
@@ -211,13 +319,15 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     """`tinyvllm serve`: load the model, then serve until SIGINT/SIGTERM; returns 0 after a clean stop."""
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get("TINYVLLM_API_KEY") or None
+    if not args.max_request_body_mb > 0:
+        raise ValueError(f"--max-request-body-mb must be > 0, not {args.max_request_body_mb}")
     signal.signal(signal.SIGTERM, _exit_cleanly)  # while the model loads: nothing to shut down yet
     engine = AsyncLLMEngine.from_config(config)
     name = args.served_model_name or default_model_name(args.model)
-    app = build_app(engine, name, api_key)
+    app = build_app(engine, name, api_key, max_body_mb=args.max_request_body_mb, access_log=args.access_log)
+    # (uvicorn's own access log stays off: the app's logs the same requests, with their duration)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                            access_log=args.access_log, timeout_graceful_shutdown=args.shutdown_timeout,
-                            lifespan="on")
+                            access_log=False, timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")
     server = _Server(config, engine)
     logger.info("serving %s on http://%s:%d%s", name, args.host, args.port, " (API key required)" if api_key else "")
     # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers in place

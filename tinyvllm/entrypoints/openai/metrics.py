@@ -4,11 +4,12 @@ the tests, never collide). Names follow vLLM's with our prefix.
 The engine's own numbers (requests running and waiting, KV cache usage, token and preemption counters,
 prefix-cache queries and hits) are read from engine.get_stats() at scrape time by a custom collector;
 the per-request latencies (time to first token, inter-token latency, ...) are histograms observed as
-each request's outputs reach the server."""
+each request's outputs reach the server. request_success_total counts every completion once, by its finish
+reason, "abort" for those that ended unfinished (the client went away, the server shut down), as vLLM's."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -82,22 +83,35 @@ class ServerMetrics:
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def tracker(self) -> RequestTracker:
-        return RequestTracker(self)
+    def tracker(self, request_ids: Iterable[str], n: int) -> RequestTracker:
+        return RequestTracker(self, request_ids, n)
 
-    def record_finish(self, reason: str | None) -> None:
-        self._success.labels(self._model_name, reason or "abort").inc()
+    def record_finish(self, reason: str | None, count: int = 1) -> None:
+        self._success.labels(self._model_name, reason or "abort").inc(count)
 
 
 class RequestTracker:
-    """Observes the delta outputs of the engine requests of one HTTP request, as they arrive."""
+    """Observes the delta outputs of the engine requests of one HTTP request (n completions each), as they
+    arrive; `close()` (once it is over, however it ended) counts the completions that never finished as
+    aborted."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, request_ids: Iterable[str], n: int) -> None:
         self.metrics = metrics
         self._last_token_time: dict[str, float] = {}
         self._num_tokens: dict[str, int] = {}  # per engine request: tokens of its longest completion
+        self._unfinished = {(request_id, index) for request_id in request_ids for index in range(n)}
+
+    def close(self) -> None:
+        if self._unfinished:
+            self.metrics.record_finish("abort", len(self._unfinished))
+            self._unfinished.clear()
 
     def observe(self, output: RequestOutput) -> None:
+        for completion in output.outputs:
+            key = (output.request_id, completion.index)
+            if completion.finish_reason is not None and key in self._unfinished:
+                self._unfinished.discard(key)
+                self.metrics.record_finish(completion.finish_reason)
         m = output.metrics
         if m is None or m.last_token_time is None:
             return
@@ -118,5 +132,3 @@ class RequestTracker:
                                                            / (num_tokens - 1))
             if m.first_scheduled_time is not None:
                 self.metrics.queue_time.observe(m.first_scheduled_time - m.arrival_time)
-            for completion in output.outputs:
-                self.metrics.record_finish(completion.finish_reason)

@@ -1,7 +1,11 @@
 """The OpenAI-compatible request and response bodies (pydantic), with vLLM's extra sampling fields.
 
-Requests accept unknown fields (as OpenAI's and vLLM's servers do) and ignore them. Range checks on
-sampling values are SamplingParams' job, so that the offline and HTTP paths refuse the same things."""
+A request body may carry only the fields below (StrictRequest: extra="forbid"): a field the server would
+not act on is refused with a 400 that names it, rather than silently ignored (a client that asked for JSON
+output must not get free text). A field sent as null, [] or {} asks for nothing and is dropped. Some
+declared fields are accepted only with the values that ask for nothing (response_format, tools,
+logit_bias...): the handlers check them. Range checks on sampling values are SamplingParams' job, so that
+the offline and HTTP paths refuse the same things."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 _INT64 = 2**63
 
@@ -20,6 +24,20 @@ def random_id(prefix: str) -> str:
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class StrictRequest(OpenAIModel):
+    """A request body (or a part of one): unknown fields are errors of type "extra_forbidden", which the
+    server turns into a 400 naming them; unknown fields whose value asks for nothing are dropped first."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_empty_unknown(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if k in cls.model_fields or v not in (None, [], {})}
+        return data
 
 
 # ---- errors -----------------------------------------------------------------------------------------
@@ -35,9 +53,10 @@ class ErrorResponse(OpenAIModel):
 
 
 # ---- shared -----------------------------------------------------------------------------------------
-class StreamOptions(OpenAIModel):
+class StreamOptions(StrictRequest):
     include_usage: bool | None = True
     continuous_usage_stats: bool | None = False
+    include_obfuscation: bool | None = None  # OpenAI's padding of stream chunks: never added here (harmless)
 
 
 class PromptTokensDetails(OpenAIModel):
@@ -63,7 +82,7 @@ class ResponseFields(OpenAIModel):
     usage: UsageInfo | None = None
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(StrictRequest):
     """The sampling fields both endpoints share (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
@@ -76,7 +95,8 @@ class SamplingFields(OpenAIModel):
     frequency_penalty: float | None = 0.0
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # metadata: accepted, unused
+    logit_bias: dict[str, float] | None = None  # refused unless empty
     # vLLM's extra parameters
     top_k: int | None = None
     min_p: float | None = None
@@ -119,7 +139,7 @@ class CompletionResponse(ResponseFields):
 
 
 # ---- /v1/chat/completions ---------------------------------------------------------------------------
-class ChatMessage(OpenAIModel):
+class ChatMessage(StrictRequest):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -134,6 +154,18 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's chat extras
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    # Refused unless they ask for nothing (no structured output, no tool calling yet): see serving_chat
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    # Metadata and hints that change nothing in the answer: accepted, unused
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
 
 
 class TopLogprob(OpenAIModel):
@@ -202,7 +234,7 @@ class ModelList(OpenAIModel):
 
 
 # ---- /tokenize, /detokenize (vLLM's) ----------------------------------------------------------------
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(StrictRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -218,7 +250,7 @@ class TokenizeResponse(OpenAIModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(StrictRequest):
     model: str | None = None
     tokens: list[int]
 

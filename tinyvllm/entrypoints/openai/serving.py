@@ -1,12 +1,17 @@
 """What the OpenAI routes share: errors in OpenAI's shape, server-sent events, and OpenAIServing, the base
 of the completion and chat handlers (model check, prompts through the engine's input processor, sampling
-parameters, running a request to its end), which also answers /v1/models, /tokenize and /detokenize."""
+parameters, running a request to its end), which also answers /v1/models, /tokenize and /detokenize.
+
+A handler works in two halves: `prepare(body)` does everything that takes CPU time in proportion to the
+request (checks, tokenizing, the chat template) and runs on the server's one input thread, never on the
+event loop; the async half queues the engine requests and answers, on the event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -34,8 +39,8 @@ from tinyvllm.sampling_params import SamplingParams
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                405: "MethodNotAllowedError", 422: "BadRequestError", 500: "InternalServerError",
-                503: "ServiceUnavailableError"}
+                405: "MethodNotAllowedError", 413: "RequestTooLargeError", 422: "BadRequestError",
+                500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
 class APIError(Exception):
@@ -61,15 +66,17 @@ class EventStream(StreamingResponse):
     """Server-sent events: each payload `events` yields, then `data: [DONE]`. If the engine aborts the
     request midway, an error event ends it instead. However the response ends (finished, failed, or the
     client gone before the first byte, when the generator never even starts), the engine requests are
-    aborted, which frees their KV blocks."""
+    aborted, which frees their KV blocks, and the tracker counts the unfinished completions as aborted."""
 
-    def __init__(self, events: AsyncIterator[str], stream: RequestStream) -> None:
-        super().__init__(self._frames(events, stream), media_type="text/event-stream",
+    def __init__(self, events: AsyncIterator[str], stream: RequestStream, tracker: RequestTracker) -> None:
+        super().__init__(self._frames(events, stream, tracker), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._stream = stream
+        self._tracker = tracker
 
     @staticmethod
-    async def _frames(events: AsyncIterator[str], stream: RequestStream) -> AsyncIterator[str]:
+    async def _frames(events: AsyncIterator[str], stream: RequestStream,
+                      tracker: RequestTracker) -> AsyncIterator[str]:
         try:
             async for payload in events:
                 yield f"data: {payload}\n\n"
@@ -77,6 +84,7 @@ class EventStream(StreamingResponse):
             yield f"data: {json.dumps(error_body(503, f'the request was aborted: {e}'))}\n\n"
         finally:
             stream.abort()
+            tracker.close()
         yield "data: [DONE]\n\n"
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -84,6 +92,19 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._stream.abort()
+            self._tracker.close()
+
+
+@dataclass
+class Prepared:
+    """A request through its checks, tokenized (what a handler's `prepare` returns): its engine requests,
+    each (request id, checked input)."""
+
+    body: Any
+    request_id: str
+    requests: list[tuple[str, ProcessedInput]]
+    prompt_tokens: int
+    logprobs: int | None = None
 
 
 class Choice:
@@ -115,11 +136,15 @@ class OpenAIServing:
                            "model")
 
     def prompt_token_ids(self, prompt: Any) -> list[list[int]]:
-        """A completion request's prompt (text, token ids, or a list of either) as token-id lists."""
+        """A completion request's prompt (text, token ids, or a list of either) as token-id lists; a text
+        too long to fit is refused before any is tokenized."""
         if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
             prompt = [prompt]
         if not prompt:
             raise APIError(400, "prompt must not be empty", "prompt")
+        for p in prompt:
+            if isinstance(p, str):
+                self.inputs.check_text_length(p)
         return [self.inputs.tokenize(p)[1] for p in prompt]
 
     def process(self, token_ids: list[int], params: SamplingParams) -> ProcessedInput:
@@ -127,6 +152,8 @@ class OpenAIServing:
 
     @staticmethod
     def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if body.logit_bias:
+            raise APIError(400, "logit_bias is not supported by this server: remove it", "logit_bias")
         try:
             return SamplingParams(
                 n=body.n,
@@ -150,13 +177,15 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e), param_of(str(e), body)) from e
 
-    async def add(self, requests: list[tuple[str, ProcessedInput]]) -> RequestStream:
+    async def add(self, prepared: Prepared, n: int) -> tuple[RequestStream, RequestTracker]:
+        """Queue the engine requests; their stream, and the tracker of their completions (n each)."""
         try:
-            return await self.engine.add_requests(requests)
+            stream = await self.engine.add_requests(prepared.requests)
         except ValueError as e:
             raise APIError(400, str(e)) from e
         except EngineDeadError as e:
             raise APIError(503, str(e)) from e
+        return stream, self.metrics.tracker([request_id for request_id, _ in prepared.requests], n)
 
     async def collect(self, stream: RequestStream, raw_request: Request, tracker: RequestTracker,
                       choices: dict[tuple[str, int], Choice]) -> dict[str, int]:
@@ -189,6 +218,7 @@ class OpenAIServing:
             if not task.done():
                 task.cancel()
             stream.abort()
+            tracker.close()
         return cached
 
     # ---- the rest ---------------------------------------------------------------------------------
@@ -197,19 +227,23 @@ class OpenAIServing:
                                          max_model_len=self.max_model_len)])
 
     def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        """(On the input thread.)"""
         self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", "prompt")
         self.inputs.need_tokenizer("/tokenize")
         if body.prompt is not None:
+            self.inputs.check_text_length(body.prompt)
             ids = self.inputs.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)[1]
         else:
-            ids = self.inputs.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages or []],
-                                                  body.add_generation_prompt, None)
+            messages = [m.model_dump(exclude_none=True) for m in body.messages or []]
+            self.inputs.check_text_length(messages, "messages")
+            ids = self.inputs.apply_chat_template(messages, body.add_generation_prompt, None)
         strs = list(self.tokenizer.convert_ids_to_tokens(ids)) if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
 
     def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        """(On the input thread.)"""
         self.check_model(body.model)
         self.inputs.check_token_ids(body.tokens, "tokens")
         return DetokenizeResponse(prompt=self.inputs.need_tokenizer("/detokenize").decode(body.tokens))
@@ -225,10 +259,10 @@ def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
-def token_text(token_id: int, logprob: Logprob, tokenizer: Any) -> str:
-    if logprob.decoded_token is not None:
-        return logprob.decoded_token
-    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+def token_text(token_id: int, logprob: Logprob) -> str:
+    """A logprob's token as text (the engine decodes it when it has a tokenizer: the server's copy is for
+    the input thread only)."""
+    return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token_id}"
 
 
 def param_of(message: str, body: Any) -> str | None:

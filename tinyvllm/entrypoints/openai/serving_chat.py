@@ -1,10 +1,10 @@
 """POST /v1/chat/completions: the conversation through the model's chat template, n completions, answered
-whole or streamed as server-sent events."""
+whole or streamed as server-sent events. No structured output and no tool calling yet: a request that asks
+for either is refused, rather than answered with free text."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -25,13 +25,44 @@ from tinyvllm.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from tinyvllm.entrypoints.openai.serving import APIError, Choice, EventStream, OpenAIServing, token_text, usage_info
+from tinyvllm.entrypoints.openai.serving import (
+    APIError,
+    Choice,
+    EventStream,
+    OpenAIServing,
+    Prepared,
+    token_text,
+    usage_info,
+)
 from tinyvllm.outputs import Logprob
 
 
+def refuse_unsupported(body: ChatCompletionRequest) -> None:
+    """400 for what the server would not honour: structured output, tools, functions."""
+    kind = (body.response_format or {"type": "text"}).get("type")
+    if kind != "text":
+        raise APIError(400, f"response_format of type {kind!r} is not supported: this server has no structured "
+                            "output (JSON mode, JSON schema) yet and would answer with free text; remove "
+                            "response_format, or send {\"type\": \"text\"}", "response_format")
+    if body.tools:
+        raise APIError(400, "tools are not supported: this server has no tool calling yet; remove tools and "
+                            "tool_choice", "tools")
+    if body.tool_choice not in (None, "none", "auto"):
+        raise APIError(400, f"tool_choice {body.tool_choice!r} is not supported: this server has no tool calling "
+                            "yet; remove tool_choice", "tool_choice")
+    if body.functions:
+        raise APIError(400, "functions are not supported: this server has no function calling yet; remove "
+                            "functions and function_call", "functions")
+    if body.function_call not in (None, "none", "auto"):
+        raise APIError(400, f"function_call {body.function_call!r} is not supported: this server has no function "
+                            "calling yet; remove function_call", "function_call")
+
+
 class OpenAIServingChat(OpenAIServing):
-    async def create_chat_completion(self, body: ChatCompletionRequest, raw_request: Request) -> Response:
+    def prepare(self, body: ChatCompletionRequest) -> Prepared:
+        """Checks and the chat template (on the input thread)."""
         self.check_model(body.model)
+        refuse_unsupported(body)
         if not body.messages:
             raise APIError(400, "messages must not be empty", "messages")
         top_logprobs = None
@@ -40,30 +71,35 @@ class OpenAIServingChat(OpenAIServing):
         elif body.top_logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        self.inputs.check_text_length(messages, "messages")
         ids = self.inputs.apply_chat_template(messages, body.add_generation_prompt, body.chat_template)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         processed = self.process(ids, self.sampling_params(body, requested, top_logprobs))
         request_id = random_id("chatcmpl")
-        tracker = self.metrics.tracker()
-        stream = await self.add([(request_id, processed)])
+        return Prepared(body, request_id, [(request_id, processed)], len(ids), top_logprobs)
+
+    async def create_chat_completion(self, prepared: Prepared, raw_request: Request) -> Response:
+        body: ChatCompletionRequest = prepared.body
+        request_id, top_logprobs = prepared.request_id, prepared.logprobs
+        stream, tracker = await self.add(prepared, body.n)
         if body.stream:
             options = body.stream_options
-            return EventStream(self._stream_chat(stream, request_id, body.n, len(ids), tracker, top_logprobs,
-                                                  bool(options and options.include_usage),
-                                                  bool(options and options.continuous_usage_stats)),
-                                stream)
+            return EventStream(self._stream_chat(stream, request_id, body.n, prepared.prompt_tokens, tracker,
+                                                 top_logprobs, bool(options and options.include_usage),
+                                                 bool(options and options.continuous_usage_stats)),
+                               stream, tracker)
         choices = {(request_id, k): Choice() for k in range(body.n)}
         cached = await self.collect(stream, raw_request, tracker, choices)
         result = []
         for (_, index), choice in choices.items():
             logprobs = None
             if top_logprobs is not None:
-                logprobs = ChatChoiceLogprobs(content=chat_logprobs(choice.token_ids, choice.logprobs, top_logprobs,
-                                                                     self.tokenizer))
+                logprobs = ChatChoiceLogprobs(content=chat_logprobs(choice.token_ids, choice.logprobs, top_logprobs))
             result.append(ChatCompletionChoice(index=index, message=ChatResponseMessage(content="".join(choice.text)),
                                                logprobs=logprobs, finish_reason=choice.finish_reason,
                                                stop_reason=choice.stop_reason))
-        usage = usage_info(len(ids), sum(len(c.token_ids) for c in choices.values()), sum(cached.values()))
+        usage = usage_info(prepared.prompt_tokens, sum(len(c.token_ids) for c in choices.values()),
+                           sum(cached.values()))
         response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=result, usage=usage)
         return JSONResponse(response.model_dump())
 
@@ -89,7 +125,7 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = None
                 if top_logprobs is not None:
                     logprobs = ChatChoiceLogprobs(content=chat_logprobs(
-                        completion.token_ids, completion.logprobs or [], top_logprobs, self.tokenizer))
+                        completion.token_ids, completion.logprobs or [], top_logprobs))
                 choice = ChatStreamChoice(index=completion.index, delta=DeltaMessage(content=completion.text),
                                           logprobs=logprobs, finish_reason=completion.finish_reason,
                                           stop_reason=completion.stop_reason)
@@ -99,17 +135,16 @@ class OpenAIServingChat(OpenAIServing):
             yield chunk([], usage_info(prompt_tokens, completion_tokens, cached))
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int,
-                   tokenizer: Any) -> list[TokenLogprob]:
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int) -> list[TokenLogprob]:
     """The chat shape: per token its text, logprob and UTF-8 bytes, and the top_n most likely tokens."""
     result = []
     for token_id, entry in zip(token_ids, logprobs):
         chosen = entry[token_id]
-        text = token_text(token_id, chosen, tokenizer)
+        text = token_text(token_id, chosen)
         top = sorted((item for item in entry.items() if item[1].rank <= top_n), key=lambda item: item[1].rank)
         result.append(TokenLogprob(
             token=text, logprob=chosen.logprob, bytes=list(text.encode()),
-            top_logprobs=[TopLogprob(token=(s := token_text(t, lp, tokenizer)), logprob=lp.logprob,
+            top_logprobs=[TopLogprob(token=(s := token_text(t, lp)), logprob=lp.logprob,
                                      bytes=list(s.encode())) for t, lp in top[:top_n]]))
     return result
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -17,40 +16,53 @@ from tinyvllm.entrypoints.openai.protocol import (
     CompletionResponse,
     random_id,
 )
-from tinyvllm.entrypoints.openai.serving import APIError, Choice, EventStream, OpenAIServing, token_text, usage_info
+from tinyvllm.entrypoints.openai.serving import (
+    APIError,
+    Choice,
+    EventStream,
+    OpenAIServing,
+    Prepared,
+    token_text,
+    usage_info,
+)
 from tinyvllm.outputs import Logprob
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    async def create_completion(self, body: CompletionRequest, raw_request: Request) -> Response:
+    def prepare(self, body: CompletionRequest) -> Prepared:
+        """Checks and tokenizing (on the input thread)."""
         self.check_model(body.model)
         if body.echo:
-            raise APIError(400, "echo is not supported", "echo")
+            raise APIError(400, "echo is not supported by this server: remove it", "echo")
         if body.suffix:
-            raise APIError(400, "suffix is not supported", "suffix")
+            raise APIError(400, "suffix is not supported by this server: remove it", "suffix")
         if body.best_of is not None and body.best_of != body.n:
-            raise APIError(400, "best_of is not supported (other than best_of == n)", "best_of")
+            raise APIError(400, "best_of is not supported (other than best_of == n): use n", "best_of")
         prompts = self.prompt_token_ids(body.prompt)
         request_id = random_id("cmpl")
         params = self.sampling_params(body, body.max_tokens, body.logprobs)
         requests = [(f"{request_id}-{i}", self.process(ids, params)) for i, ids in enumerate(prompts)]
-        choice_index = {(rid, k): i * body.n + k for i, (rid, _) in enumerate(requests) for k in range(body.n)}
-        prompt_tokens = sum(len(p) for p in prompts)
-        tracker = self.metrics.tracker()
-        stream = await self.add(requests)
+        return Prepared(body, request_id, requests, sum(len(p) for p in prompts), body.logprobs)
+
+    async def create_completion(self, prepared: Prepared, raw_request: Request) -> Response:
+        body: CompletionRequest = prepared.body
+        request_id, prompt_tokens = prepared.request_id, prepared.prompt_tokens
+        choice_index = {(rid, k): i * body.n + k for i, (rid, _) in enumerate(prepared.requests)
+                        for k in range(body.n)}
+        stream, tracker = await self.add(prepared, body.n)
         if body.stream:
             options = body.stream_options
             return EventStream(self._stream_completion(stream, request_id, choice_index, prompt_tokens, tracker,
                                                         body.logprobs, bool(options and options.include_usage),
                                                         bool(options and options.continuous_usage_stats)),
-                                stream)
+                               stream, tracker)
         choices = {key: Choice() for key in choice_index}
         cached = await self.collect(stream, raw_request, tracker, choices)
         result = []
         for key, choice in choices.items():
             logprobs = None
             if body.logprobs is not None:
-                logprobs = completion_logprobs(choice.token_ids, choice.logprobs, 0, self.tokenizer)
+                logprobs = completion_logprobs(choice.token_ids, choice.logprobs, 0)
             result.append(CompletionChoice(index=choice_index[key], text="".join(choice.text), logprobs=logprobs,
                                            finish_reason=choice.finish_reason, stop_reason=choice.stop_reason))
         result.sort(key=lambda c: c.index)
@@ -79,7 +91,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choice_logprobs = None
                 if logprobs is not None:
                     choice_logprobs = completion_logprobs(completion.token_ids, completion.logprobs or [],
-                                                           text_offsets[index], self.tokenizer)
+                                                           text_offsets[index])
                     text_offsets[index] += sum(len(t) for t in choice_logprobs.tokens)
                 choice = CompletionChoice(index=index, text=completion.text, logprobs=choice_logprobs,
                                           finish_reason=completion.finish_reason,
@@ -94,18 +106,18 @@ class OpenAIServingCompletion(OpenAIServing):
             yield chunk.model_dump_json()
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], text_offset: int,
-                         tokenizer: Any) -> CompletionLogprobs:
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
+                        text_offset: int) -> CompletionLogprobs:
     """OpenAI's legacy shape: per token its text, its logprob, and {text: logprob} of the top ones."""
     result = CompletionLogprobs()
     for token_id, entry in zip(token_ids, logprobs):
         chosen = entry[token_id]
-        text = token_text(token_id, chosen, tokenizer)
+        text = token_text(token_id, chosen)
         result.tokens.append(text)
         result.token_logprobs.append(chosen.logprob)
         result.text_offset.append(text_offset)
         text_offset += len(text)
         ranked = sorted(entry.items(), key=lambda item: item[1].rank)
-        result.top_logprobs.append({token_text(t, lp, tokenizer): lp.logprob for t, lp in ranked})
+        result.top_logprobs.append({token_text(t, lp): lp.logprob for t, lp in ranked})
     return result
 
