@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from tinyvllm.config import EngineConfig
+from tinyvllm.engine.core_client import EngineCoreDeadError
 from tinyvllm.engine.input_processor import InputProcessor, ProcessedInput, PromptType
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.outputs import RequestOutput
@@ -128,8 +129,10 @@ class AsyncLLMEngine:
         self.dead_reason: str | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
-        return cls(LLMEngine(config))
+    def from_config(cls, config: EngineConfig, core_process: bool = True) -> AsyncLLMEngine:
+        """core_process: the engine core in a process of its own (engine/core_client.py), so that model steps
+        never wait for this process's event loop; False keeps it on the engine thread."""
+        return cls(LLMEngine(config, core_process=core_process))
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -139,6 +142,11 @@ class AsyncLLMEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="tinyvllm-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def accepting(self) -> bool:
+        """False once the server has begun shutting down."""
+        return self._accepting
 
     @property
     def is_running(self) -> bool:
@@ -236,8 +244,9 @@ class AsyncLLMEngine:
                 block = not engine.has_unfinished_requests()  # idle: sleep until a command arrives
                 while True:
                     try:
-                        command = self._commands.get(block=block, timeout=1.0 if block else None)
+                        command = self._commands.get(block=block, timeout=0.25 if block else None)
                     except queue.Empty:
+                        self._stats = engine.get_stats()  # (idle: the figures of the last step may move on)
                         break
                     if isinstance(command, _Stop):
                         self._abort_all("the engine stopped")
@@ -248,6 +257,8 @@ class AsyncLLMEngine:
                     continue
                 try:
                     outputs = engine.step()
+                except EngineCoreDeadError:
+                    raise  # nothing can be served any more: the thread ends, the server answers 503 and exits
                 except Exception as e:  # an engine bug: fail what is in flight, keep serving
                     logger.exception("engine step failed")
                     self._abort_all(f"the engine failed: {type(e).__name__}: {e}")
@@ -263,8 +274,11 @@ class AsyncLLMEngine:
             logger.exception("the engine thread died")
         finally:
             self.dead_reason = self.dead_reason or "the engine stopped"
-            self._stats = engine.get_stats()
             self._post(self._fail_all, EngineDeadError(self.dead_reason))
+            try:
+                self._stats = engine.get_stats()
+            except Exception:
+                logger.exception("reading the engine's last figures failed")
             try:
                 engine.shutdown()  # (tensor-parallel workers)
             except Exception:
@@ -275,6 +289,8 @@ class AsyncLLMEngine:
         if isinstance(command, _Add):
             try:
                 engine.add_processed_request(command.request_id, command.processed, output_kind="delta")
+            except EngineCoreDeadError:
+                raise
             except Exception as e:
                 self._post(_set_exception, command.future, e)
             else:

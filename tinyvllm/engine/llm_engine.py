@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.engine.core_client import EngineCoreClient
 from tinyvllm.engine.engine_core import EngineCore, StepCallback
 from tinyvllm.engine.input_processor import InputProcessor, ProcessedInput, PromptType
 from tinyvllm.engine.output_processor import OUTPUT_KINDS, OutputProcessor
@@ -22,7 +23,9 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, core_process: bool = False) -> None:
+        """core_process: run the engine core (scheduler, model runner) in a process of its own (the server
+        does, so that its event loop and the model steps share no GIL)."""
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.model_config: ModelConfig = load_model_config(self.model_path)
@@ -36,7 +39,8 @@ class LLMEngine:
         tokenizer_eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
         if not self.model_config.eos_token_ids and tokenizer_eos is not None:
             self.model_config.eos_token_ids = [tokenizer_eos]
-        self.engine_core = EngineCore(config, self.model_config, self.model_path, self.device, dtype,
+        core_class = EngineCoreClient if core_process else EngineCore
+        self.engine_core = core_class(config, self.model_config, self.model_path, self.device, dtype,
                                       self.max_model_len)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                               self.engine_core.kv_capacity_tokens)
@@ -92,6 +96,8 @@ class LLMEngine:
     def add_step_callback(self, callback: StepCallback, record_gpu_time: bool = False) -> None:
         """Call `callback(StepStats)` after every step (record_gpu_time: with its device time, which costs a
         CUDA event pair per step)."""
+        if isinstance(self.engine_core, EngineCoreClient):
+            raise ValueError("step callbacks need the engine core in this process (core_process=False)")
         self.engine_core.step_callbacks.append(callback)
         self.engine_core.record_gpu_time |= record_gpu_time
 

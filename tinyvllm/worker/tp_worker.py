@@ -31,7 +31,7 @@ def free_tcp_init_method() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: have the kernel kill this process when its parent dies, so no rank outlives the engine."""
     if sys.platform.startswith("linux"):
         try:
@@ -43,7 +43,7 @@ def _die_with_parent() -> None:
 def worker_main(rank: int, config: EngineConfig, model_path: str, device: str, dtype: torch.dtype,
                 max_model_len: int, init_method: str, errors: Any) -> None:
     """A rank > 0: join the group, build this rank's shard and runner, then run steps until told to stop."""
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops the ranks
     from tinyvllm.distributed import destroy_tensor_parallel, init_tensor_parallel, rank_device
     from tinyvllm.model.loader import build_model, load_model_config

@@ -300,9 +300,24 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self.engine = engine
 
+        self.engine_failed = False
+
     def handle_exit(self, sig: int, frame: Any) -> None:
         super().handle_exit(sig, frame)
         self.engine.stop_accepting()
+
+    async def on_tick(self, counter: int) -> bool:
+        """Also stop when the engine has died (its core process crashed, say): open requests have had their
+        503; a server that can serve nothing exits non-zero rather than answering 503 forever."""
+        if self.started and not self.should_exit and self.engine.dead_reason is not None and \
+                self.engine.accepting:
+            if not self.engine_failed:
+                logger.error("the engine died (%s): stopping the server", self.engine.dead_reason)
+                self.engine_failed, self._failed_at = True, time.monotonic()
+            # Once the open streams have sent their error (or after a few seconds), stop.
+            if self.engine.num_active_requests == 0 or time.monotonic() - self._failed_at > 5.0:
+                self.should_exit = True
+        return await super().on_tick(counter)
 
 
 def default_model_name(model: str | None) -> str:
@@ -336,4 +351,4 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         signal.signal(sig, lambda signum, frame: None)
     server.run()
     engine.shutdown()
-    return 0 if server.started else 1
+    return 0 if server.started and not server.engine_failed else 1

@@ -116,13 +116,18 @@ class RequestTracker:
         if m is None or m.last_token_time is None:
             return
         previous = self._last_token_time.get(output.request_id)
-        if previous is None:
-            if m.first_token_time is not None:
-                self.metrics.time_to_first_token.observe(m.first_token_time - m.arrival_time)
-        elif m.last_token_time > previous:
-            self.metrics.inter_token_latency.observe(m.last_token_time - previous)
+        new_tokens = max(len(c.token_ids) for c in output.outputs)
+        # One inter-token interval per token after the first: tokens that arrive together (several engine
+        # steps in one delta) share the time since the last delta.
+        intervals = new_tokens if previous is not None else new_tokens - 1
+        if previous is None and m.first_token_time is not None:
+            self.metrics.time_to_first_token.observe(m.first_token_time - m.arrival_time)
+        if intervals > 0 and m.last_token_time >= (previous or m.last_token_time):
+            gap = (m.last_token_time - previous) / intervals if previous is not None else 0.0
+            for _ in range(intervals):
+                self.metrics.inter_token_latency.observe(gap)
         self._last_token_time[output.request_id] = m.last_token_time
-        num_tokens = self._num_tokens.get(output.request_id, 0) + max(len(c.token_ids) for c in output.outputs)
+        num_tokens = self._num_tokens.get(output.request_id, 0) + new_tokens
         self._num_tokens[output.request_id] = num_tokens
         if output.finished:
             end = m.finished_time or m.last_token_time
