@@ -6,8 +6,10 @@ buffer's size, the batch's two maxima, and for each array its field name's index
 and shape), then the packed buffer; the other ranks rebuild the named tensors from them.
 
 On CUDA the buffer is pinned (allocating pinned memory per step costs more than the copy). There are two,
-used in turn: step N+1 is packed while step N's copy may still wait behind step N-1 in the stream (async
-scheduling), but N-1's copy is done, since N-1's tokens have been read back."""
+used in turn, so that step N+1 is packed while step N's copy may still wait in the stream (async
+scheduling). Each copy records an event, and a buffer is written again only once its last copy is done:
+reading a step's tokens back does not prove it (a step that samples nothing, a prompt chunk, has none to
+read), and several such steps in a row would otherwise overwrite a buffer that a queued copy still reads."""
 
 from __future__ import annotations
 
@@ -24,8 +26,6 @@ from tinyvllm.distributed import TensorParallel
 FIELDS = ("input_ids", "positions", "slot_mapping", "logits_indices", "cu_query_lens", "context_lens",
           "block_tables", "pending_dst", "pending_src", "temperature", "top_k", "top_p", "min_p", "seeds")
 FIELD_INDEX = {name: i for i, name in enumerate(FIELDS)}
-# The fields the model's forward pass needs (what the other ranks run); the rest serve sampling on rank 0.
-MODEL_FIELDS = FIELDS[:7]
 
 DTYPE_CODES = {np.dtype(np.int64): 0, np.dtype(np.int32): 1, np.dtype(np.float32): 2}
 TORCH_DTYPES = [torch.int64, torch.int32, torch.float32]
@@ -42,6 +42,7 @@ class Staging:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._buffers = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]  # each buffer's last copy to the device
         self._turn = 0
 
     @classmethod
@@ -57,18 +58,25 @@ class Staging:
         layout = self.layout(arrays)
         last = layout[-1] if layout else None
         total = last[1] + math.prod(last[3]) * TORCH_DTYPES[last[2]].itemsize if last else 0
-        buffer = self._buffers[self._turn]
+        turn = self._turn
+        self._turn ^= 1
+        copied = self._copied[turn]
+        if copied is not None:
+            copied.synchronize()  # (normally long done: two steps ago)
+        buffer = self._buffers[turn]
         if buffer.numel() < total:
             size = max(total, 2 * buffer.numel())
             buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-            self._buffers[self._turn] = buffer
-        self._turn ^= 1
+            self._buffers[turn] = buffer
         host = buffer.numpy()
         for a, (_, offset, _, _) in zip(arrays.values(), layout):
             host[offset:offset + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
         if self.device.type != "cuda":  # the CPU runs the step from the buffer itself
             return buffer[:total], layout
-        return buffer[:total].to(self.device, non_blocking=True), layout
+        on_device = buffer[:total].to(self.device, non_blocking=True)
+        self._copied[turn] = torch.cuda.Event()
+        self._copied[turn].record()
+        return on_device, layout
 
 
 def views(buffer: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
