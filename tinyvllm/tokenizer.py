@@ -14,8 +14,8 @@ from tinyvllm.model.loader import ModelLoadError, is_gguf
 def load_tokenizer(path: str) -> Any:
     """AutoTokenizer for a model directory, or the tokenizer built from a GGUF file's metadata.
 
-    Building a tokenizer from GGUF metadata takes transformers 5-20 s (it converts 49k merges in
-    Python), so the result is saved once beside the GGUF's other converted files, in the cache entry
+    Building a tokenizer from GGUF metadata is slow in transformers (it converts 49k merges in Python),
+    so the result is saved once beside the GGUF's other converted files, in the cache entry
     keyed by the file's content (see gguf_loader.gguf_cache_dir)."""
     from transformers import AutoTokenizer
 

@@ -79,10 +79,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.requests)
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self.output_processor.requests)
-
     # ---- one step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step (with async scheduling: launch the next and finish the one in flight); the outputs

@@ -59,7 +59,8 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self._set_finished(seq, reason, stop_reason)
-        self._free(seq)
+        if seq.num_sent_blocks >= 0 or seq.block_table:  # (a preempted one was freed then)
+            self._free(seq)
         del self.seqs[seq.seq_id]
 
     @staticmethod

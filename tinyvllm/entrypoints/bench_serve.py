@@ -55,14 +55,15 @@ def wait_healthy(process: Any, url: str, timeout: float) -> None:
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default: loopback)")
-    parser.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
-    parser.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
-    parser.add_argument("--api-key", default=None, help="bearer key (default: $OPENAI_API_KEY if set)")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server")
+    parser.add_argument("--endpoint", default="completions", choices=["completions", "chat"],
+                        help="the API to load")
+    parser.add_argument("--model", default=None, help="model name to send (none: the server's first model)")
+    parser.add_argument("--api-key", default=None, help="bearer key (none: $OPENAI_API_KEY if set)")
     parser.add_argument("--num-prompts", type=int, default=32, help="requests to send")
     parser.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
     parser.add_argument("--request-rate", type=float, default=math.inf,
-                        help="requests per second, Poisson arrivals (default: all at once)")
+                        help="requests per second, Poisson arrivals (inf: all at once)")
     parser.add_argument("--dataset-name", default="random", choices=["random"],
                         help="random prompts of --input-len tokens (or words), as vLLM's random dataset")
     parser.add_argument("--input-len", "--random-input-len", type=int, default=128,
@@ -71,15 +72,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         default=128, help="tokens to generate per request")
     parser.add_argument("--prompt-kind", default=None, choices=["tokens", "words"],
                         help="random token ids (completions only; drawn via the server's /tokenize) or random "
-                             "words (default: tokens for completions, words for chat)")
+                             "words (none: tokens for completions, words for chat)")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="draw token-id prompts from [0, N) instead of through /tokenize (for a server "
                              "started with --skip-tokenizer-init, which has no tokenizer)")
     parser.add_argument("--duration-limit", type=float, default=600.0,
                         help="stop after this many seconds; requests still running then count as cut off")
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     parser.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts and arrivals")
     parser.add_argument("--num-clients", type=int, default=1,
                         help="client processes sharing the requests (and the concurrency): one Python process "
                              "parsing every streamed event can be slower than the server it measures")

@@ -179,11 +179,11 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (loopback only)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` (default: $TINYVLLM_API_KEY; none if unset)")
-    g.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+                   help="require `Authorization: Bearer KEY` (none: $TINYVLLM_API_KEY, or no key if unset)")
+    g.add_argument("--served-model-name", default=None, help="the model name clients send (none: the model's)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log every HTTP request: client, method, path, status, duration in ms (at level info)")

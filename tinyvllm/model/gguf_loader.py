@@ -3,8 +3,8 @@
 llama.cpp's converter permutes the rows of Q and K so that its rotary kernel can rotate adjacent
 pairs; we undo that permutation and keep Hugging Face's rotate-half layout.
 
-Parsing a GGUF's metadata takes `gguf` 3-9 s for a 49k-token vocabulary and dequantizing a few more,
-so the first load writes the config and the dequantized tensors to ~/.cache/tinyvllm and later loads
+Parsing a GGUF's metadata for a 49k-token vocabulary and dequantizing its tensors take seconds, so the
+first load writes the config and the dequantized tensors to ~/.cache/tinyvllm and later loads
 read those instead. The cache is keyed by the file's content (gguf_cache_key), so that every checkout,
 venv or copy of one GGUF shares one entry (~0.5 GB for the embedded model)."""
 

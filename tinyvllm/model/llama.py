@@ -239,9 +239,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [rows, vocab_size] for the rows given (only the positions that get sampled), in the model's
-        dtype: the sampling kernel and argmax read them as they are (a float32 copy of 256 rows of a
-        128k vocabulary took 0.1 ms on the H200). Split over ranks, every rank must call it; rank 0 gets the
-        logits, the others None."""
+        dtype: the sampling kernel and argmax read them as they are (no float32 copy of the rows x 128k
+        vocabulary). Split over ranks, every rank must call it; rank 0 gets the logits, the others None."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = torch.matmul(hidden, weight.t())
         if self.tp.size > 1:

@@ -89,10 +89,9 @@ def build_model(config: ModelConfig, path: str, device: torch.device, dtype: tor
 
 def _use_input_major_weights(model: nn.Module) -> None:
     """Keep each projection's weight stored [in, out] (F.linear sees the same [out, in] tensor, transposed).
-    On the CPU, MKL then multiplies up to 2x faster at decode batch sizes. On the H200, cuBLAS picks better
-    kernels for it (benchmarks/profile_step.py, 2026-12-03): down_proj at M=1 takes 11.9 us instead of 13.7
-    (no split-K reduce pass), the LM head at M=64 132 us instead of 140; the rest is within 0.2 us
-    (benchmarks/RESULTS.md)."""
+    On the CPU, MKL then multiplies faster at decode batch sizes; on the H200 cuBLAS picks kernels for it
+    that are as fast or faster (down_proj at M=1 needs no split-K reduce pass): benchmarks/profile_step.py,
+    figures in benchmarks/RESULTS.md."""
     for module in model.modules():
         if isinstance(module, Linear):
             module.weight.data = module.weight.data.t().contiguous().t()

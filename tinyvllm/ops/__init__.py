@@ -1,4 +1,5 @@
-"""The engine's non-matmul ops, and the skinny matmul of decode batches (linear.py). Each op has a
+"""The engine's non-matmul ops, and a skinny matmul for decode batches (linear.py; measured, not used by the
+model yet: see benchmarks/RESULTS.md). Each op has a
 plain-PyTorch reference (`*_ref`) and, where Triton is available, a Triton kernel (`*_triton`) with the
 same signature. The names exported here pick the Triton kernel for CUDA tensors and the reference
 otherwise; TINYVLLM_REFERENCE_OPS=1 forces the references everywhere (to check the kernels against them

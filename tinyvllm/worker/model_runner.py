@@ -115,8 +115,8 @@ class ModelRunner:
         temperature = batch.temperature[sample_rows]
         greedy = temperature == 0
         all_greedy = bool(greedy.all())
-        # The model's fields first (the other ranks take those), then, only when the step needs them (each
-        # costs host time on a slow CPU), the places of the inputs in flight and the sampling parameters.
+        # The model's fields, then only when the step needs them (each costs host time on a slow CPU) the places
+        # of the inputs in flight and the sampling parameters.
         arrays = dict(input_ids=np.array(input_ids, dtype=np.int64), positions=positions, slot_mapping=slots,
                       logits_indices=cu[1:][sampled] - 1, cu_query_lens=cu.astype(np.int32),
                       context_lens=ends.astype(np.int32), block_tables=tables)

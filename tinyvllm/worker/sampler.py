@@ -19,9 +19,8 @@ from tinyvllm.outputs import Logprob
 from tinyvllm.worker.input_batch import InputBatch
 
 _MASK64 = (1 << 63) - 1
-# Up to this many all-greedy rows, our sampling kernel's argmax (split over the vocabulary) beats torch.argmax:
-# at batch 1, in a CUDA graph, the kernel took 7.1 us with sampling and torch.argmax 26.6 us; at 64 rows
-# argmax was faster, 46 us to 83 (benchmarks/bench_kernels.py, H200, 2026-12-03).
+# Up to this many all-greedy rows, our sampling kernel's argmax (split over the vocabulary) beats torch.argmax;
+# at 64 rows argmax is faster (benchmarks/bench_kernels.py; figures in benchmarks/RESULTS.md).
 _KERNEL_GREEDY_MAX_ROWS = 8
 _SEED_MULTIPLIERS = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
