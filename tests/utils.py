@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Any
 
 import pytest
 import torch
 
+from tinyvllm.entrypoints.bench_offline import random_llama_1b  # noqa: F401  (the benchmark model, for tests/gpu)
 from tinyvllm.ops import AttentionMetadata
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -31,6 +31,17 @@ def save_tiny_llama(path: str, seed: int = 0, max_shard_size: str | None = None,
             with open(os.path.join(tokenizer_dir, name), "rb") as src, open(os.path.join(path, name), "wb") as dst:
                 dst.write(src.read())
     return path
+
+
+# The marks of every test in tests/gpu: run by `pytest -m cuda` on a GPU machine, skipped elsewhere, and
+# meaningless under the Triton interpreter.
+CUDA_ONLY = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+                       reason="TRITON_INTERPRET is set: the kernels would run under the interpreter, not on the GPU "
+                              "(run `pytest -m cuda`, which leaves it unset)"),
+]
 
 
 def tiny_llama_fixture(seed: int) -> Any:
@@ -93,60 +104,5 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-# ---- the GPU checks' model and attention batches (tests/gpu): copied from benchmarks/common.py, which tests do
-# not import
-
-LLAMA_1B = dict(
-    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
-    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    bos_token_id=128000, eos_token_id=128001, initializer_range=0.02,
-)
-
-
-def random_llama(path: str, shape: dict, dtype: str = "bfloat16") -> str:
-    """Saves (once) a random-weight LlamaForCausalLM of `shape` (seed 0, built on the GPU when there is one) and
-    returns its directory: the same checkpoint as benchmarks/common.py's random_llama."""
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(**shape)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
-    # Saved beside, then renamed into place: a run that starts meanwhile finds a whole checkpoint or none.
-    partial = f"{path}.partial-{os.getpid()}"
-    model.save_pretrained(partial)
-    del model
-    try:
-        os.rename(partial, path)
-    except OSError:  # another process saved it first (else a directory is in the way: say so)
-        shutil.rmtree(partial, ignore_errors=True)
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # an engine started next sizes its KV cache from the memory left free
-    return path
-
-
-def random_llama_1b(path: str = "/tmp/llama-1b-random") -> str:
-    """The random-weight bf16 Llama-3.2-1B-shaped checkpoint of docs/benchmarks.md (the path the benchmarks
-    use: the same weights, saved once for both)."""
-    return random_llama(path, LLAMA_1B)
-
-
 def attention_metadata(query_lens: list[int], context_lens: list[int], block_tables: torch.Tensor) -> AttentionMetadata:
-    """AttentionMetadata for a batch whose K/V are in the cache already (for checking attention alone:
-    slot_mapping is all zeros, as no op here stores K/V)."""
-    device = block_tables.device
-    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    return AttentionMetadata(
-        cu_query_lens=cu,
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-        block_tables=block_tables,
-        slot_mapping=torch.zeros(int(cu[-1]), dtype=torch.int64, device=device),
-        max_query_len=max(query_lens),
-        max_context_len=max(context_lens),
-    )
+    return AttentionMetadata.for_cached(query_lens, context_lens, block_tables)

@@ -1,4 +1,4 @@
-"""The engine end to end on a CUDA GPU, on the Llama-3.2-1B-shaped random-weight model (tests.utils.LLAMA_1B):
+"""The engine end to end on a CUDA GPU, on the Llama-3.2-1B-shaped random-weight model (bench_offline.LLAMA_1B):
 
 1. its logits against transformers' (float32) on the same GPU, with ours in bfloat16 and in float32;
 2. greedy generation (4 prompts x 64 tokens) along four paths, each in a fresh process: the Triton kernels with
@@ -23,15 +23,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.utils import our_logits, random_llama_1b, relative_error
+from tests.utils import CUDA_ONLY, our_logits, random_llama_1b, relative_error
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
-                       reason="TRITON_INTERPRET is set: the kernels would run under the interpreter, not on the GPU "
-                              "(run `pytest -m cuda`, which leaves it unset)"),
-]
+pytestmark = CUDA_ONLY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = [[(i * 37 + j * 11) % 10000 for j in range(n)] for i, n in enumerate((5, 40, 130, 300))]

@@ -10,7 +10,6 @@ integers), so an unwritten element fails.
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,7 +20,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from tests.utils import attention_metadata  # noqa: E402
+from tests.utils import CUDA_ONLY, attention_metadata  # noqa: E402
 from tinyvllm.ops.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from tinyvllm.ops.attention import AttentionMetadata, paged_attention_ref, paged_attention_triton  # noqa: E402
 from tinyvllm.ops.embedding import embedding_ref, embedding_triton  # noqa: E402
@@ -38,13 +37,7 @@ from tinyvllm.ops.rotary import (  # noqa: E402
 )
 from tinyvllm.ops.sampling import sample_triton  # noqa: E402
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
-                       reason="TRITON_INTERPRET is set: the kernels would run under the interpreter, not on the GPU "
-                              "(run `pytest -m cuda`, which leaves it unset)"),
-]
+pytestmark = CUDA_ONLY
 
 DEVICE = "cuda"
 HIDDEN, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB, BLOCK_SIZE = 2048, 32, 8, 64, 8192, 128256, 16

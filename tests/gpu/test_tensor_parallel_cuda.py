@@ -1,4 +1,4 @@
-"""Tensor parallelism on CUDA, on the Llama-3.2-1B-shaped random-weight model (tests.utils.LLAMA_1B): greedy
+"""Tensor parallelism on CUDA, on the Llama-3.2-1B-shaped random-weight model (bench_offline.LLAMA_1B): greedy
 output (4 prompts x 32 tokens) with tensor_parallel_size=2, async scheduling off and on, must equal size 1's in
 float32. In bfloat16 the all-reduce changes the rounding and near-ties of random weights may flip: identical
 tokens pass, different ones are reported as xfail with the common prefix lengths, not judged.
@@ -22,15 +22,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.utils import random_llama_1b
+from tests.utils import CUDA_ONLY, random_llama_1b
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
-                       reason="TRITON_INTERPRET is set: the kernels would run under the interpreter, not on the GPU "
-                              "(run `pytest -m cuda`, which leaves it unset)"),
-]
+pytestmark = CUDA_ONLY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = [[(i * 37 + j * 11) % 10000 for j in range(n)] for i, n in enumerate((5, 40, 130, 300))]

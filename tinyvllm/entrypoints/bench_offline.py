@@ -2,13 +2,68 @@
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 from tinyvllm.sampling_params import SamplingParams
+
+# The benchmark model of docs/benchmarks.md: Llama-3.2-1B's shape, random weights.
+LLAMA_1B = dict(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    bos_token_id=128000, eos_token_id=128001, initializer_range=0.02,
+)
+
+
+# The same architecture at toy size, for running a GPU benchmark on a CPU (--small of benchmarks/serve.py,
+# latency.py and throughput.py).
+LLAMA_TINY = {**LLAMA_1B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "bos_token_id": 0,
+              "eos_token_id": 1}
+
+
+def random_llama(path: str, shape: dict, dtype: str = "bfloat16") -> str:
+    """Saves (once) a random-weight LlamaForCausalLM of `shape` and returns its directory."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**shape)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    # Saved beside, then renamed into place: a run that starts meanwhile (tests run the --small benchmarks)
+    # finds a whole checkpoint or none, never a config.json without its weights.
+    partial = f"{path}.partial-{os.getpid()}"
+    model.save_pretrained(partial)
+    del model
+    try:
+        os.rename(partial, path)
+    except OSError:  # another process saved it first (else a directory is in the way: say so)
+        shutil.rmtree(partial, ignore_errors=True)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # a server started next sizes its KV cache from the memory left free
+    return path
+
+
+def random_llama_1b(path: str = "/tmp/llama-1b-random") -> str:
+    """The random-weight bf16 Llama-3.2-1B-shaped checkpoint of docs/benchmarks.md."""
+    return random_llama(path, LLAMA_1B)
+
+
+def random_llama_tiny(path: str = "/tmp/llama-tiny-random") -> str:
+    """LLAMA_TINY in float32: the model of the GPU benchmarks' --small runs on a CPU."""
+    return random_llama(path, LLAMA_TINY, "float32")
 
 
 def _sync(llm: Any) -> None:

@@ -39,6 +39,16 @@ class AttentionMetadata:
         """Every sequence adds exactly one token: the flash-decoding path applies."""
         return self.max_query_len == 1
 
+    @classmethod
+    def for_cached(cls, query_lens: list[int], context_lens: list[int],
+                   block_tables: torch.Tensor) -> AttentionMetadata:
+        """A batch whose K/V are in the cache already, to time or check attention alone (kernel benchmarks and
+        tests): slot_mapping is all zeros, as nothing stores K/V."""
+        device = block_tables.device
+        cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        return cls(cu, torch.tensor(context_lens, dtype=torch.int32, device=device), block_tables,
+                   torch.zeros(int(cu[-1]), dtype=torch.int64, device=device), max(query_lens), max(context_lens))
+
 
 def paged_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
