@@ -42,8 +42,8 @@ def _core_main(config: EngineConfig, model_config: ModelConfig, model_path: str,
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the API process's to handle: it stops the core
     try:
         core = EngineCore(config, model_config, model_path, torch.device(device), dtype, max_model_len)
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
+    except BaseException as e:  # a ValueError is the user's to fix (a bad checkpoint, say): its message suffices
+        conn.send(("error", str(e) if isinstance(e, ValueError) else traceback.format_exc(), isinstance(e, ValueError)))
         return
     conn.send(("ready", core.kv_capacity_tokens, core.get_stats()))
     try:
@@ -86,7 +86,8 @@ class EngineCoreClient:
         kind, *rest = self._recv(_START_TIMEOUT_S)
         if kind != "ready":
             self.process.join(10)
-            raise RuntimeError(f"the engine core failed to start:\n{rest[0]}")
+            text, users_error = rest
+            raise (ValueError(text) if users_error else RuntimeError(f"the engine core failed to start:\n{text}"))
         self.kv_capacity_tokens, self._stats = rest
 
     # ---- the EngineCore interface ------------------------------------------------------------------
