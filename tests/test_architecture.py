@@ -75,7 +75,7 @@ def test_no_import_cycles() -> None:
 def test_nothing_points_outside_the_repository() -> None:
     outside = re.compile(r"\.\./shared|(?<![\w/])shared/(DESIGN|BENCHMARKS|TOOLCHAIN|STYLE)\.md")
     files = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *PACKAGE.rglob("*.py"),
-             *(ROOT / "benchmarks").glob("*.py"), *(ROOT / "tests").rglob("*.py")]
+             *(ROOT / "benchmarks").glob("*.py"), *(ROOT / "benchmarks").glob("*.md"), *(ROOT / "tests").rglob("*.py")]
     hits = [f"{f.relative_to(ROOT)}:{i}" for f in files if f != Path(__file__)
             for i, line in enumerate(f.read_text().splitlines(), start=1) if outside.search(line)]
     assert not hits, f"paths outside the repository: {hits}"
