@@ -30,6 +30,22 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+@pytest.fixture
+def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every torch.empty (the kernels' wrappers allocate their outputs so) returns NaN, or -1 for integers: an
+    element a kernel does not write shows. Kernel test modules use it for every test:
+    `pytestmark = pytest.mark.usefixtures("poison_outputs")`."""
+    import torch
+
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+
+
 @pytest.fixture(scope="session")
 def smol_tokenizer_dir(tmp_path_factory):
     """The embedded SmolLM2 tokenizer saved as a Hugging Face tokenizer directory, to give small

@@ -100,6 +100,27 @@ def hf_greedy(model: Any, prompt: list[int], num_tokens: int) -> list[int]:
     return ids[len(prompt):]
 
 
+def run_python(code: str, args: Any, env: dict[str, str], timeout: float) -> dict[str, Any] | str:
+    """Run `code` in a fresh Python process (argv[1]: args as JSON) from the repository root; the JSON it
+    prints after "RESULT", or, if it failed, a message with the end of its stderr. (A fresh process per run:
+    each picks its ops and its GPU memory from nothing.)"""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, json.dumps(args)], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+        return f"timed out after {e.timeout} s\n{stderr[-3000:]}"
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), None)
+    if proc.returncode != 0 or line is None:
+        return f"exit status {proc.returncode}\n{proc.stderr[-3000:]}"
+    return json.loads(line[len("RESULT"):])
+
+
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 

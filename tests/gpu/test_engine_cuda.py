@@ -14,16 +14,13 @@
 from __future__ import annotations
 
 import gc
-import json
 import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 import torch
 
-from tests.utils import CUDA_ONLY, our_logits, random_llama_1b, relative_error
+from tests.utils import CUDA_ONLY, our_logits, random_llama_1b, relative_error, run_python
 
 pytestmark = CUDA_ONLY
 
@@ -138,17 +135,7 @@ class GreedyRuns:
     def _run(self, dtype: str, name: str) -> dict[str, Any] | str:
         reference, eager, overlap = PATHS[name]
         env = {**os.environ, "TINYVLLM_REFERENCE_OPS": "1" if reference else "0"}
-        args = json.dumps([self.path, dtype, eager, overlap, NUM_TOKENS, PROMPTS, ENGINE_ARGS])
-        try:
-            proc = subprocess.run([sys.executable, "-c", GENERATE, args], cwd=ROOT, env=env, capture_output=True,
-                                  text=True, timeout=600)
-        except subprocess.TimeoutExpired as e:
-            stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
-            return f"timed out after {e.timeout} s\n{stderr[-3000:]}"
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), None)
-        if proc.returncode != 0 or line is None:
-            return f"exit status {proc.returncode}\n{proc.stderr[-3000:]}"
-        return json.loads(line[len("RESULT"):])
+        return run_python(GENERATE, [self.path, dtype, eager, overlap, NUM_TOKENS, PROMPTS, ENGINE_ARGS], env, 600)
 
 
 @pytest.fixture(scope="module")

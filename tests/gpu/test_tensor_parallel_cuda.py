@@ -13,16 +13,13 @@ buffer and async scheduling all run on the GPU; only NCCL does not. Each dtype r
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 import torch
 
-from tests.utils import CUDA_ONLY, random_llama_1b
+from tests.utils import CUDA_ONLY, random_llama_1b, run_python
 
 pytestmark = CUDA_ONLY
 
@@ -79,17 +76,7 @@ class TensorParallelRuns:
         env = dict(os.environ)
         if one_gpu():
             env["TINYVLLM_TP_ONE_GPU"] = "1"
-        args = json.dumps([self.path, dtype, PROMPTS, NUM_TOKENS])
-        try:
-            proc = subprocess.run([sys.executable, "-c", GENERATE, args], cwd=ROOT, env=env, capture_output=True,
-                                  text=True, timeout=800)
-        except subprocess.TimeoutExpired as e:
-            stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
-            return f"timed out after {e.timeout} s\n{stderr[-3000:]}"
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), None)
-        if proc.returncode != 0 or line is None:
-            return f"exit status {proc.returncode}\n{proc.stderr[-3000:]}"
-        return json.loads(line[len("RESULT"):])
+        return run_python(GENERATE, [self.path, dtype, PROMPTS, NUM_TOKENS], env, 800)
 
 
 @pytest.fixture(scope="module")

@@ -81,8 +81,6 @@ class EngineCoreClient:
         self.process.start()
         child.close()
         self._outputs: list[EngineCoreOutput] = []  # read from the pipe by get_stats(), for the next step()
-        self.step_callbacks: list[Any] = []  # (the core's StepStats stay in its process; get_stats() crosses)
-        self.record_gpu_time = False
         kind, *rest = self._recv(_START_TIMEOUT_S)
         if kind != "ready":
             self.process.join(10)

@@ -44,18 +44,15 @@ def refuse_unsupported(body: ChatCompletionRequest) -> None:
         raise APIError(400, f"response_format of type {kind!r} is not supported: this server has no structured "
                             "output (JSON mode, JSON schema) yet and would answer with free text; remove "
                             "response_format, or send {\"type\": \"text\"}", "response_format")
-    if body.tools:
-        raise APIError(400, "tools are not supported: this server has no tool calling yet; remove tools and "
-                            "tool_choice", "tools")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise APIError(400, f"tool_choice {body.tool_choice!r} is not supported: this server has no tool calling "
-                            "yet; remove tool_choice", "tool_choice")
-    if body.functions:
-        raise APIError(400, "functions are not supported: this server has no function calling yet; remove "
-                            "functions and function_call", "functions")
-    if body.function_call not in (None, "none", "auto"):
-        raise APIError(400, f"function_call {body.function_call!r} is not supported: this server has no function "
-                            "calling yet; remove function_call", "function_call")
+    for name, choice_name, what in (("tools", "tool_choice", "tool calling"),
+                                    ("functions", "function_call", "function calling")):
+        if getattr(body, name):
+            raise APIError(400, f"{name} are not supported: this server has no {what} yet; remove {name} and "
+                                f"{choice_name}", name)
+        choice = getattr(body, choice_name)
+        if choice not in (None, "none", "auto"):
+            raise APIError(400, f"{choice_name} {choice!r} is not supported: this server has no {what} yet; "
+                                f"remove {choice_name}", choice_name)
 
 
 class OpenAIServingChat(OpenAIServing):
