@@ -86,15 +86,38 @@ def bench(url: str, concurrency: int, num_prompts: int, input_len: int, output_l
     return summary
 
 
+def start_profiler(server_pid: int, path: str) -> subprocess.Popen | None:
+    """py-spy sampling the server and its engine core (a child process) into `path`, in py-spy's raw
+    (collapsed-stack) format; None if py-spy is not installed."""
+    import shutil
+
+    exe = shutil.which("py-spy")
+    if exe is None:
+        print("  (--profile: py-spy is not installed, no profile taken)", flush=True)
+        return None
+    return subprocess.Popen([exe, "record", "-p", str(server_pid), "--subprocesses", "--nonblocking", "-r", "200",
+                             "--format", "raw", "-o", path], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
 def run_level(url: str, server_pid: int, concurrency: int, num_prompts: int, args: argparse.Namespace,
               vocab_size: int, seed: int) -> dict[str, Any]:
     clients = min(args.num_clients, concurrency)
     bench(url, concurrency, concurrency, args.input_len, min(args.output_len, 16), vocab_size, seed + 1,
           args.duration_limit, clients)  # warm-up, on prompts of its own
+    profiler = None
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        profiler = start_profiler(server_pid, os.path.join(args.profile, f"serve-c{concurrency}.txt"))
     wall, client, server = time.perf_counter(), time.process_time(), cpu_seconds(server_pid)
     summary = bench(url, concurrency, num_prompts, args.input_len, args.output_len, vocab_size, seed,
                     args.duration_limit, clients)
     wall = time.perf_counter() - wall
+    if profiler is not None:
+        profiler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        try:
+            profiler.wait(60)
+        except subprocess.TimeoutExpired:
+            profiler.kill()
     server_end = cpu_seconds(server_pid)
     # With several client processes the wall time holds their start-up (imports), so neither share says
     # how busy a client or the server was while requests ran: not reported.
@@ -116,22 +139,36 @@ def stop_server(process: subprocess.Popen, timeout: float = 60.0) -> int | None:
         return None
 
 
-def offline(path: str, prompts: list[list[int]], warm_prompts: list[list[int]], output_len: int,
-            engine_kwargs: dict[str, Any]) -> dict[str, float]:
-    """LLM.generate on the same prompts, with the same warm-up round the server had."""
+def offline(path: str, levels: list[tuple[int, list[list[int]], list[list[int]]]], output_len: int,
+            engine_kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+    """The peer: LLM.generate on each level's prompts (concurrency, prompts, warm-up prompts), with the same
+    warm-up the server had. A level below max_num_seqs runs its prompts `concurrency` at a time, so that its
+    batch, and so its decode step, is the server's; TTFT and TPOT per request from RequestOutput.metrics, as
+    the client measures them (TPOT: (last token - first token) / (tokens - 1))."""
+    import statistics
+
     from tinyvllm import LLM, SamplingParams
 
     llm = LLM(path, skip_tokenizer_init=True, **engine_kwargs)
-    llm.generate(warm_prompts, SamplingParams(temperature=0, max_tokens=min(output_len, 16), ignore_eos=True),
-                 use_tqdm=False)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True),
-                           use_tqdm=False)
-    seconds = time.perf_counter() - start
-    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"requests": len(prompts), "output_tokens": generated, "seconds": seconds,
-            "output_tok_per_s": generated / seconds,
-            "preemptions": llm.llm_engine.get_stats()["num_preemptions"]}
+    results = []
+    for concurrency, prompts, warm_prompts in levels:
+        llm.generate(warm_prompts, SamplingParams(temperature=0, max_tokens=min(output_len, 16), ignore_eos=True),
+                     use_tqdm=False)
+        params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        groups = ([prompts] if concurrency >= engine_kwargs["max_num_seqs"]
+                  else [prompts[i:i + concurrency] for i in range(0, len(prompts), concurrency)])
+        start = time.perf_counter()
+        outputs = [o for group in groups for o in llm.generate(group, params, use_tqdm=False)]
+        seconds = time.perf_counter() - start
+        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+        ttft = [(o.metrics.first_token_time - o.metrics.arrival_time) * 1e3 for o in outputs]
+        tpot = [(o.metrics.last_token_time - o.metrics.first_token_time) * 1e3 / (len(o.outputs[0].token_ids) - 1)
+                for o in outputs if len(o.outputs[0].token_ids) > 1]
+        results.append({"concurrency": concurrency, "requests": len(prompts), "output_tokens": generated,
+                        "seconds": seconds, "output_tok_per_s": generated / seconds,
+                        "ttft_ms_median": statistics.median(ttft), "tpot_ms_median": statistics.median(tpot)})
+    results[-1]["preemptions"] = llm.llm_engine.get_stats()["num_preemptions"]
+    return results
 
 
 def table(levels: list[dict[str, Any]]) -> str:
@@ -170,6 +207,9 @@ def main() -> int:
     parser.add_argument("--num-clients", type=int, default=1,
                         help="client processes per level (at most its concurrency): one Python client can be "
                              "slower than the server it measures")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="sample the server and its engine core with py-spy during each measured level, "
+                             "into DIR/serve-c<concurrency>.txt (collapsed stacks; py-spy must be installed)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     small = {"concurrency": "1,4", "input_len": 16, "output_len": 8, "min_requests": 4, "device": "cpu"}
@@ -234,19 +274,26 @@ def main() -> int:
     if result["levels"] and not args.no_offline:
         from tinyvllm.entrypoints.bench_serve import random_token_prompts
 
-        top = result["levels"][-1]
-        n, seed = top["config"]["num_prompts"], top["seed"]
-        prompts = random_token_prompts(random.Random(seed), n, args.input_len, range(vocab_size))
-        warm = random_token_prompts(random.Random(seed + 1), top["config"]["concurrency"], args.input_len,
-                                    range(vocab_size))
-        peer = offline(path, prompts, warm, args.output_len, engine_kwargs)
-        result["offline"] = peer
-        ratio = top["output_throughput"] / peer["output_tok_per_s"]
-        result["serve_over_offline"] = ratio
-        print(f"  offline LLM.generate, {n} prompts, max_num_seqs {max(levels)}: {peer['output_tok_per_s']:,.0f} "
-              f"output tok/s ({peer['seconds']:.1f} s, {peer['preemptions']} preemptions)")
-        print(f"  serve at concurrency {top['config']['concurrency']} / offline: {top['output_throughput']:,.0f} / "
-              f"{peer['output_tok_per_s']:,.0f} = {ratio:.2f}x")
+        levels = []
+        for level in result["levels"]:
+            concurrency, n, seed = level["config"]["concurrency"], level["config"]["num_prompts"], level["seed"]
+            levels.append((concurrency, random_token_prompts(random.Random(seed), n, args.input_len, range(vocab_size)),
+                           random_token_prompts(random.Random(seed + 1), concurrency, args.input_len,
+                                                range(vocab_size))))
+        result["offline"] = offline(path, levels, args.output_len, engine_kwargs)
+        print("  offline LLM.generate on the same prompts, and serve / offline (tok/s: higher is better; TTFT, "
+              "TPOT: offline / serve, higher is better):")
+        print("  | concurrency | offline tok/s | serve / offline | offline TTFT p50 | ratio | offline TPOT p50 "
+              "| ratio |")
+        print("  | --- | --- | --- | --- | --- | --- | --- |")
+        for level, peer in zip(result["levels"], result["offline"]):
+            peer["serve_over_offline"] = level["output_throughput"] / peer["output_tok_per_s"]
+            peer["ttft_ratio"] = peer["ttft_ms_median"] / level["ttft_ms"]["median"]
+            peer["tpot_ratio"] = peer["tpot_ms_median"] / level["tpot_ms"]["median"]
+            print(f"  | {peer['concurrency']} | {peer['output_tok_per_s']:,.0f} | {peer['serve_over_offline']:.2f}x | "
+                  f"{peer['ttft_ms_median']:.2f} ms | {peer['ttft_ratio']:.2f}x | {peer['tpot_ms_median']:.3f} ms | "
+                  f"{peer['tpot_ratio']:.2f}x |")
+        result["serve_over_offline"] = result["offline"][-1]["serve_over_offline"]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
