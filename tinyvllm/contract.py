@@ -58,18 +58,43 @@ class ModelRunnerOutput:
 
 
 @dataclass
-class EngineCoreOutput:
-    """What the engine core (scheduler and model runner) reports of one sequence after a step: its new
-    tokens and whether they finished it. The output processor turns these into RequestOutputs."""
+class EngineCoreOutputs:
+    """What the engine core reports after a step: each sequence that got a token, its token, and whether it
+    finished, as columns (entry i is one sequence). The output processor turns these into RequestOutputs.
 
-    request_id: str
-    index: int  # which of the request's n completions
-    new_token_ids: list[int]
-    new_logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None  # "stop", "length" or "abort"
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    first_scheduled_time: float | None = None
+    Columns, not an object per sequence: the server's engine core sends one of these per step to the API
+    process, and a few lists of ints and strings pickle in microseconds where hundreds of small objects took
+    a millisecond each way. What only some entries have is kept sparse, by entry."""
+
+    request_ids: list[str] = field(default_factory=list)
+    indexes: list[int] = field(default_factory=list)  # which of the request's n completions
+    token_ids: list[int] = field(default_factory=list)  # the entry's new token
+    # entry -> (finish_reason: "stop", "length" or "abort"; stop_reason: the stop token id or string, or None)
+    finished: dict[int, tuple[str, int | str | None]] = field(default_factory=dict)
+    logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)  # entry -> its token's, where asked
+    # entry -> (prompt tokens served from the prefix cache, first scheduled time), on a sequence's first token
+    first: dict[int, tuple[int, float | None]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def extend(self, other: EngineCoreOutputs) -> None:
+        """Append a later step's entries (so that several steps read at once are processed as one)."""
+        offset = len(self.request_ids)
+        self.request_ids += other.request_ids
+        self.indexes += other.indexes
+        self.token_ids += other.token_ids
+        for mine, theirs in ((self.finished, other.finished), (self.logprobs, other.logprobs),
+                             (self.first, other.first)):
+            for entry, value in theirs.items():
+                mine[entry + offset] = value
+
+    def add(self, request_id: str, index: int, token_id: int) -> int:
+        """Append an entry; its position, for the sparse columns."""
+        self.request_ids.append(request_id)
+        self.indexes.append(index)
+        self.token_ids.append(token_id)
+        return len(self.request_ids) - 1
 
 
 @dataclass

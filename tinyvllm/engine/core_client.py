@@ -2,9 +2,9 @@
 run there, never waiting on the API process's event loop, and the two processes share no GIL.
 
 EngineCoreClient has the EngineCore methods LLMEngine calls. Requests go to the core as they come (one message
-each); the core steps whenever it has work and sends one message per step with every sequence's new tokens
-(EngineCoreOutputs) and its statistics. step() waits for the next such message and takes any others already
-there. Messages travel over a multiprocessing pipe (pickled plain data: contract.EngineCoreOutput).
+each); the core steps whenever it has work and sends one message per step with every sequence's new token
+(contract.EngineCoreOutputs, columns of plain data) and its statistics. step() waits for the next such message
+and takes any others already there, as one EngineCoreOutputs. Messages travel over a multiprocessing pipe.
 
 If the core process dies, every call raises EngineCoreDeadError: the server fails what is in flight, answers
 503 and exits non-zero."""
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from tinyvllm.config import EngineConfig, ModelConfig
-from tinyvllm.contract import EngineCoreOutput
+from tinyvllm.contract import EngineCoreOutputs
 from tinyvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def _core_main(config: EngineConfig, model_config: ModelConfig, model_path: str,
             if core.has_unfinished_requests():
                 conn.send(("outputs", core.step(), core.get_stats()))
             else:  # idle (the last requests finished or were aborted): report it, then wait for a command
-                conn.send(("outputs", [], core.get_stats()))
+                conn.send(("outputs", EngineCoreOutputs(), core.get_stats()))
                 conn.poll(None)
     except (EOFError, BrokenPipeError):
         return  # the API process is gone
@@ -80,7 +80,7 @@ class EngineCoreClient:
                                    args=(config, model_config, model_path, str(device), dtype, max_model_len, child))
         self.process.start()
         child.close()
-        self._outputs: list[EngineCoreOutput] = []  # read from the pipe by get_stats(), for the next step()
+        self._outputs: EngineCoreOutputs | None = None  # read from the pipe by get_stats(), for the next step()
         kind, *rest = self._recv(_START_TIMEOUT_S)
         if kind != "ready":
             self.process.join(10)
@@ -98,13 +98,14 @@ class EngineCoreClient:
     def finish_sequence(self, request_id: str, index: int, reason: str, stop_reason: int | str | None) -> None:
         self._send("finish_sequence", request_id, index, reason, stop_reason)
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self) -> EngineCoreOutputs:
         """The outputs of the core's next step, and of any later steps already sent. (LLMEngine steps only while
         it has unfinished requests, which the core has too, or has in a message on its way: so a step comes.)"""
-        if not self._outputs:
-            self._outputs = self._take(self._recv(None))
+        if not self._outputs:  # (None, or only an idle report's empty outputs)
+            self._take(self._recv(None))
         self._drain()
-        outputs, self._outputs = self._outputs, []
+        outputs, self._outputs = self._outputs, None
+        assert outputs is not None
         return outputs
 
     def get_stats(self) -> dict[str, float]:
@@ -115,7 +116,7 @@ class EngineCoreClient:
 
     def _drain(self) -> None:
         while self._conn.poll(0):
-            self._outputs += self._take(self._recv(None))
+            self._take(self._recv(None))
 
     def shutdown(self) -> None:
         if self.process.is_alive():
@@ -129,12 +130,16 @@ class EngineCoreClient:
             self.process.join()
 
     # ---- the pipe -----------------------------------------------------------------------------------
-    def _take(self, message: tuple) -> list[EngineCoreOutput]:
+    def _take(self, message: tuple) -> None:
+        """Keep a step's outputs (after any not yet taken by step()) and its figures."""
         kind, *rest = message
         if kind == "error":
             raise EngineCoreDeadError(f"the engine core failed:\n{rest[0]}")
         outputs, self._stats = rest
-        return outputs
+        if self._outputs is None:
+            self._outputs = outputs
+        else:
+            self._outputs.extend(outputs)
 
     def _send(self, *message: Any) -> None:
         self._check_alive()

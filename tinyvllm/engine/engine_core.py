@@ -1,5 +1,5 @@
 """EngineCore: the scheduler and the model runner, stepping together. Token ids in, EngineCoreOutputs
-(each sequence's new tokens, and whether they finished it) out. It makes no text and holds no tokenizer:
+(each sequence's new token, and whether it finished it) out. It makes no text and holds no tokenizer:
 that is the output processor's work, so that the core can run apart from the code that serves requests.
 
 With async scheduling, step() launches the next batch before it waits for the one in flight, so that the
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from tinyvllm.config import ConfigError, EngineConfig, ModelConfig, check_tensor_parallel_size
-from tinyvllm.contract import EngineCoreOutput, SchedulerOutput, StepStats
+from tinyvllm.contract import EngineCoreOutputs, SchedulerOutput, StepStats
 from tinyvllm.distributed import ONE_GPU, TensorParallel, destroy_tensor_parallel, init_tensor_parallel
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.scheduler import Scheduler
@@ -146,7 +146,7 @@ class EngineCore:
         return self._in_flight is not None
 
     # ---- one step ---------------------------------------------------------------------------------
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self) -> EngineCoreOutputs:
         if self.workers is not None:
             self.workers.check_alive()
             try:
@@ -156,23 +156,22 @@ class EngineCore:
                 raise
         return self._step()
 
-    def _step(self) -> list[EngineCoreOutput]:
+    def _step(self) -> EngineCoreOutputs:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
             in_flight = self._launch()
             if in_flight is None:
                 if self.scheduler.has_unfinished():
                     raise RuntimeError("the scheduler has waiting requests but could schedule none")
-                return []
+                return EngineCoreOutputs()
         if self.async_scheduling and not in_flight.output.has_penalties:  # penalties need the tokens on the host
             self._in_flight = self._launch()
         start = time.perf_counter()
         result = in_flight.output.get()
         waited = time.perf_counter()
         outputs = self.scheduler.update_from_output(in_flight.step, result)
-        for output in outputs:
-            if output.finish_reason is not None:
-                self._forget_if_done(output.request_id)
+        for entry in outputs.finished:
+            self._forget_if_done(outputs.request_ids[entry])
         self.num_generation_tokens += len(outputs)
         stats = in_flight.stats
         if stats is not None:

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tinyvllm.contract import EngineCoreOutput
+from tinyvllm.contract import EngineCoreOutputs
 from tinyvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import IncrementalDetokenizer
@@ -71,63 +71,64 @@ class OutputProcessor:
         """Forget a request; True if it was still unfinished."""
         return self.requests.pop(request_id, None) is not None
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[StoppedByString]]:
-        """One step's outputs, and the completions that stop strings ended (the engine core frees them)."""
+    def process(self, outputs: EngineCoreOutputs) -> tuple[list[RequestOutput], list[StoppedByString]]:
+        """One step's outputs (or several steps', concatenated: a request then gets one RequestOutput holding
+        all its new tokens), and the completions that stop strings ended (the engine core frees them)."""
         now = time.time()
         touched: dict[str, _RequestState] = {}
         stopped: list[StoppedByString] = []
-        for out in outputs:
-            request = self.requests.get(out.request_id)
+        requests, finished, logprobs, first = self.requests, outputs.finished, outputs.logprobs, outputs.first
+        for entry, (request_id, index, token) in enumerate(zip(outputs.request_ids, outputs.indexes,
+                                                               outputs.token_ids)):
+            request = requests.get(request_id)
             if request is None:
                 continue  # aborted meanwhile
-            completion = request.completions[out.index]
+            completion = request.completions[index]
             if completion.finish_reason is not None:
                 continue  # a stop string ended it: the token that was in flight is dropped
-            if self._append(request.params, completion, out):
-                stopped.append((request.request_id, completion.index, completion.stop_reason))
+            if self._append(request.params, completion, token, logprobs.get(entry), finished.get(entry)):
+                stopped.append((request_id, index, completion.stop_reason))
             metrics = request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
-                metrics.first_scheduled_time = out.first_scheduled_time
-                metrics.num_cached_tokens = out.num_cached_tokens
+                if entry in first:
+                    metrics.num_cached_tokens, metrics.first_scheduled_time = first[entry]
             metrics.last_token_time = now
-            touched[out.request_id] = request
+            touched[request_id] = request
         results = []
         for request in touched.values():
-            finished = request.finished
-            if finished:
+            finished_now = request.finished
+            if finished_now:
                 request.metrics.finished_time = now
-                del self.requests[request.request_id]
-            if finished or request.output_kind != "final_only":
-                results.append(self._make_output(request, finished))
+                del requests[request.request_id]
+            if finished_now or request.output_kind != "final_only":
+                results.append(self._make_output(request, finished_now))
         return results, stopped
 
-    def _append(self, params: SamplingParams, completion: _Completion, out: EngineCoreOutput) -> bool:
-        """Account for a completion's new tokens: logprobs, text, stop strings. True if a stop string ended it
-        (in the core's view it is still running)."""
-        tokenizer = self.tokenizer
-        for i, token in enumerate(out.new_token_ids):
-            completion.token_ids.append(token)
-            if out.new_logprobs is not None:
-                logprobs = out.new_logprobs[i]
-                if tokenizer is not None:
-                    for token_id, lp in logprobs.items():
-                        lp.decoded_token = tokenizer.decode([token_id])
-                completion.logprobs.append(logprobs)
-                completion.cumulative_logprob += logprobs[token].logprob
-            text_before = len(completion.text)
-            if completion.detokenizer is not None:
-                completion.detokenizer.add(token)
-                completion.text = completion.detokenizer.text
-            stopped_by_token = out.finish_reason == "stop" and i == len(out.new_token_ids) - 1  # (it wins)
-            if params.stop_strings and not stopped_by_token and len(completion.token_ids) >= params.min_tokens:
-                if self._truncate_at_stop(params, completion, text_before):
-                    return True
-        if out.finish_reason is not None:
+    def _append(self, params: SamplingParams, completion: _Completion, token: int,
+                logprobs: dict[int, Logprob] | None, finish: tuple[str, int | str | None] | None) -> bool:
+        """Account for a completion's new token: logprobs, text, stop strings, finish. True if a stop string
+        ended it (in the core's view it is still running)."""
+        completion.token_ids.append(token)
+        if logprobs is not None:
+            if self.tokenizer is not None:
+                for token_id, lp in logprobs.items():
+                    lp.decoded_token = self.tokenizer.decode([token_id])
+            completion.logprobs.append(logprobs)
+            completion.cumulative_logprob += logprobs[token].logprob
+        text_before = len(completion.text)
+        if completion.detokenizer is not None:
+            completion.detokenizer.add(token)
+            completion.text = completion.detokenizer.text
+        stopped_by_token = finish is not None and finish[0] == "stop"  # (a stop token wins over a stop string)
+        if params.stop_strings and not stopped_by_token and len(completion.token_ids) >= params.min_tokens:
+            if self._truncate_at_stop(params, completion, text_before):
+                return True
+        if finish is not None:
             if completion.detokenizer is not None:
                 completion.detokenizer.flush()
                 completion.text = completion.detokenizer.text
-            completion.finish_reason, completion.stop_reason = out.finish_reason, out.stop_reason
+            completion.finish_reason, completion.stop_reason = finish
         return False
 
     @staticmethod

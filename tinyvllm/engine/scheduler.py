@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from tinyvllm.contract import EngineCoreOutput, ModelRunnerOutput, NewSequence, SchedulerOutput
+from tinyvllm.contract import EngineCoreOutputs, ModelRunnerOutput, NewSequence, SchedulerOutput
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.sequence import Sequence, SequenceStatus
 
@@ -193,11 +193,11 @@ class Scheduler:
         self.num_preemptions += 1
 
     # ---- after the step ---------------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
         """Take a step's sampled tokens: append each to its sequence, finish those that hit a stop token or
         their length, cache the full blocks of the step's sequences (those that just finished too, so that
         a follow-up prompt holding their output finds it), and free the finished ones."""
-        outputs: list[EngineCoreOutput] = []
+        outputs = EngineCoreOutputs()
         finished: list[Sequence] = []
         for seq_id, token, logprobs in zip(result.seq_ids, result.sampled_token_ids, result.logprobs):
             seq = self.seqs.get(seq_id)
@@ -206,11 +206,14 @@ class Scheduler:
             seq.num_output_placeholders -= 1
             seq.token_ids.append(token)
             self._check_stop(seq, token)
+            entry = outputs.add(seq.request_id, seq.index, token)
             if seq.is_finished:
                 finished.append(seq)
-            outputs.append(EngineCoreOutput(seq.request_id, seq.index, [token],
-                                            None if logprobs is None else [logprobs], seq.finish_reason,
-                                            seq.stop_reason, seq.num_cached_tokens, seq.first_scheduled_time))
+                outputs.finished[entry] = (seq.finish_reason, seq.stop_reason)
+            if logprobs is not None:
+                outputs.logprobs[entry] = logprobs
+            if len(seq.token_ids) == seq.num_prompt_tokens + 1:
+                outputs.first[entry] = (seq.num_cached_tokens, seq.first_scheduled_time)
         for seq_id in out.seq_ids:
             seq = self.seqs.get(seq_id)
             if seq is not None and seq.block_table:
