@@ -49,3 +49,17 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+
+    def add(self, later: RequestOutput) -> None:
+        """Merge a later delta output of the same request into this one: a stream whose reader fell behind
+        the engine reads one output for several steps (as vLLM's output collector merges them)."""
+        for mine, theirs in zip(self.outputs, later.outputs):  # (the same n completions, in index order)
+            mine.text += theirs.text
+            mine.token_ids += theirs.token_ids
+            if theirs.logprobs is not None:
+                mine.logprobs = (mine.logprobs or []) + theirs.logprobs
+            mine.finish_reason, mine.stop_reason = theirs.finish_reason, theirs.stop_reason
+            mine.cumulative_logprob = theirs.cumulative_logprob
+        self.finished = later.finished
+        self.metrics = later.metrics
+        self.num_cached_tokens = later.num_cached_tokens

@@ -2,12 +2,14 @@
 
 One thread owns the LLMEngine. Between steps it takes the commands that have arrived (add, abort) from a
 queue, then runs the blocking `step()`; so the engine is never touched by two threads at once, and the
-event loop never waits on a forward pass. Outputs go back to the event loop once per step (one
-`call_soon_threadsafe`), where each lands in the asyncio.Queue of the RequestStream that asked for it.
+event loop never waits on a forward pass (with the server's engine core in a process of its own, step()
+waits for that process's next step and turns its tokens into RequestOutputs). Outputs go back to the event
+loop once per step (one `call_soon_threadsafe`), where each lands in the RequestStream that asked for it,
+merged with any earlier one its reader has not taken yet.
 
     add_requests() --_Add--> command queue --> engine thread: add_request / abort_request / step()
          ^                                                         |
-         +-- RequestStream's asyncio.Queue <-- call_soon_threadsafe(deliver, outputs) --+
+         +-- RequestStream (merged deltas) <-- call_soon_threadsafe(deliver, outputs) --+
 """
 
 from __future__ import annotations
@@ -40,12 +42,6 @@ class RequestAbortedError(RuntimeError):
 
 
 @dataclasses.dataclass
-class _Failure:
-    request_id: str
-    error: BaseException
-
-
-@dataclasses.dataclass
 class _Add:
     request_id: str
     processed: ProcessedInput
@@ -67,14 +63,18 @@ class _Stop:
 
 
 class RequestStream:
-    """The outputs of one or more engine requests (one per prompt of an HTTP request), in the order the
-    engine produced them; iteration ends when all have finished. `abort()` stops whatever is unfinished:
-    call it in a `finally`, it does nothing once everything has finished."""
+    """The outputs of one or more engine requests (one per prompt of an HTTP request); iteration ends when all
+    have finished. Outputs that arrive while the reader is busy are merged, per request, into one (so a reader
+    slower than the engine gets fewer, larger deltas, and never a backlog of one output per step). `abort()`
+    stops whatever is unfinished: call it in a `finally`, it does nothing once everything has finished.
+    (Touched on the event loop only.)"""
 
     def __init__(self, engine: AsyncLLMEngine, request_ids: list[str]) -> None:
         self._engine = engine
         self.request_ids = request_ids
-        self._queue: asyncio.Queue[RequestOutput | _Failure] = asyncio.Queue()
+        self._pending: dict[str, RequestOutput] = {}  # not read yet, one merged output per request
+        self._failures: dict[str, BaseException] = {}  # raised once the request's pending output is read
+        self._waiter: asyncio.Future[None] | None = None
         self._unfinished = set(request_ids)
 
     @property
@@ -85,17 +85,25 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if not self._unfinished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, _Failure):
-            self._unfinished.discard(item.request_id)  # the engine has already dropped it
-            self.abort()
-            raise item.error
-        if item.finished:
-            self._unfinished.discard(item.request_id)
-            self._engine._forget([item.request_id])
-        return item
+        while self._unfinished:
+            if self._pending:
+                request_id = next(iter(self._pending))
+                output = self._pending.pop(request_id)
+                if output.finished:
+                    self._unfinished.discard(request_id)
+                    self._engine._forget([request_id])
+                return output
+            if self._failures:
+                request_id, error = self._failures.popitem()
+                self._unfinished.discard(request_id)  # the engine has already dropped it
+                self.abort()
+                raise error
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        raise StopAsyncIteration
 
     def abort(self) -> None:
         if self._unfinished:
@@ -103,6 +111,22 @@ class RequestStream:
             self._unfinished.clear()
             self._engine._forget(ids)
             self._engine._commands.put(_Abort(ids))
+
+    def _put(self, output: RequestOutput) -> None:
+        pending = self._pending.get(output.request_id)
+        if pending is None:
+            self._pending[output.request_id] = output
+        else:
+            pending.add(output)
+        self._wake()
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        self._failures.setdefault(request_id, error)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
 
 class AsyncLLMEngine:
@@ -265,7 +289,7 @@ class AsyncLLMEngine:
                     continue
                 for output in outputs:  # freeze the timings that the event loop will read
                     if output.metrics is not None:
-                        output.metrics = dataclasses.replace(output.metrics)
+                        output.metrics = copy.copy(output.metrics)
                 self._stats = engine.get_stats()
                 if outputs:
                     self._post(self._deliver, outputs)
@@ -320,16 +344,17 @@ class AsyncLLMEngine:
 
     # ---- on the event loop ------------------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        streams = self._streams
         for output in outputs:
-            stream = self._streams.get(output.request_id)
+            stream = streams.get(output.request_id)
             if stream is not None:
-                stream._queue.put_nowait(output)
+                stream._put(output)
 
     def _fail(self, request_ids: list[str], error: BaseException) -> None:
         for request_id in request_ids:
             stream = self._streams.get(request_id)
             if stream is not None:
-                stream._queue.put_nowait(_Failure(request_id, error))
+                stream._fail(request_id, error)
 
     def _fail_all(self, error: BaseException) -> None:
         """The engine thread is gone: fail every add still waiting and every stream still open. (An add
