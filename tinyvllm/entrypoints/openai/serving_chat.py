@@ -28,6 +28,7 @@ from tinyvllm.entrypoints.openai.protocol import (
 from tinyvllm.entrypoints.openai.serving import (
     APIError,
     Choice,
+    ChunkEncoder,
     EventStream,
     OpenAIServing,
     Prepared,
@@ -106,8 +107,10 @@ class OpenAIServingChat(OpenAIServing):
         completion_tokens = 0
         cached = 0
 
+        encoder = ChunkEncoder(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[]))
+
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
-            return ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices,
+            return ChatCompletionChunk(id=request_id, created=encoder.created, model=self.model_name, choices=choices,
                                        usage=usage).model_dump_json()
 
         for index in range(n):
@@ -118,6 +121,10 @@ class OpenAIServingChat(OpenAIServing):
             for completion in output.outputs:
                 completion_tokens += len(completion.token_ids)
                 if not completion.text and completion.finish_reason is None and top_logprobs is None:
+                    continue
+                if top_logprobs is None and not continuous_usage:
+                    yield encoder.chat(completion.index, completion.text, completion.finish_reason,
+                                       completion.stop_reason)
                     continue
                 logprobs = None
                 if top_logprobs is not None:
