@@ -88,15 +88,17 @@ def bench(url: str, concurrency: int, num_prompts: int, input_len: int, output_l
 
 def start_profiler(server_pid: int, path: str) -> subprocess.Popen | None:
     """py-spy sampling the server and its engine core (a child process) into `path`, in py-spy's raw
-    (collapsed-stack) format; None if py-spy is not installed."""
+    (collapsed-stack) format, every thread, idle ones too (so that waits show where they are); None if
+    py-spy is not installed."""
     import shutil
 
     exe = shutil.which("py-spy")
     if exe is None:
         print("  (--profile: py-spy is not installed, no profile taken)", flush=True)
         return None
-    return subprocess.Popen([exe, "record", "-p", str(server_pid), "--subprocesses", "--nonblocking", "-r", "200",
-                             "--format", "raw", "-o", path], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    return subprocess.Popen([exe, "record", "-p", str(server_pid), "--subprocesses", "--nonblocking", "--idle",
+                             "--threads", "-r", "200", "--format", "raw", "-o", path],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
 def run_level(url: str, server_pid: int, concurrency: int, num_prompts: int, args: argparse.Namespace,
