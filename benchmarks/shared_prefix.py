@@ -1,6 +1,7 @@
 """shared-prefix (docs/benchmarks.md): 256 requests sharing a 1,024-token system prompt, each with its
 own 64-token question, 128 output tokens; output tok/s and time to first token with prefix caching on
-and off, in the same run. `--small` is the scaled-down CPU version on the embedded model."""
+and off, in the same run. `--small` is the scaled-down CPU version on the embedded model. `--plot FILE` draws
+each run's steps (FILE-caching-on.png, FILE-caching-off.png)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,16 @@ import time
 from common import commit, gpu_name
 
 
-def run(llm, prompts, max_tokens):
+def run(llm, prompts, max_tokens, recorder=None):
+    """recorder: a StepRecorder of `llm`, cleared after the warm-up (only the measured steps are drawn)."""
     from tinyvllm import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     # Warm-up with one request of the workload: the system prompt is then hot, as on a server that has
     # answered it before (requests admitted in the same step cannot share blocks not yet computed).
     llm.generate(prompts[:1], params, use_tqdm=False)
+    if recorder is not None:
+        recorder.clear()
     start = time.perf_counter()
     outputs = llm.generate(prompts[1:], params, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -38,7 +42,17 @@ def main() -> None:
     parser.add_argument("--prefix-len", type=int, default=None, help="shared tokens (default 1024; --small: 256)")
     parser.add_argument("--question-len", type=int, default=None, help="default 64; --small: 32")
     parser.add_argument("--output-len", type=int, default=None, help="default 128; --small: 16")
+    parser.add_argument("--plot", default=None, metavar="FILE",
+                        help="draw each run's steps into a PNG: FILE-caching-on.png, FILE-caching-off.png "
+                        "(needs matplotlib)")
     args = parser.parse_args()
+    from tinyvllm.entrypoints.step_plot import StepRecorder, import_matplotlib, plot_path, plot_steps
+
+    if args.plot:
+        try:
+            import_matplotlib()  # before the runs, not after them
+        except ImportError as e:
+            parser.error(str(e))
     small = {"num_requests": 16, "prefix_len": 256, "question_len": 32, "output_len": 16}
     large = {"num_requests": 256, "prefix_len": 1024, "question_len": 64, "output_len": 128}
     for name, value in (small if args.small else large).items():
@@ -63,9 +77,17 @@ def main() -> None:
     results = {}
     for caching in (True, False):
         llm = LLM(path, enable_prefix_caching=caching, **kwargs)
-        r = results[caching] = run(llm, prompts, out_len)
+        recorder = StepRecorder.attach(llm) if args.plot else None
+        r = results[caching] = run(llm, prompts, out_len, recorder)
         print(f"  prefix caching {'on ' if caching else 'off'}: {r['output_tok_per_s']:,.0f} output tok/s "
               f"({r['seconds']:.2f} s), median TTFT {r['ttft_median_ms']:.0f} ms, hit rate {r['hit_rate']:.0%}")
+        if recorder is not None:
+            plot = plot_path(args.plot, f"caching {'on' if caching else 'off'}", only=False)
+            plot_steps(recorder.records, plot, f"shared-prefix, prefix caching {'on' if caching else 'off'}: "
+                       f"{r['output_tok_per_s']:,.0f} output tok/s, hit rate {r['hit_rate']:.0%}\n{n - 1} measured "
+                       f"requests, {prefix_len}-token shared prefix, {question_len}-token questions, {out_len} "
+                       f"output tokens", start=recorder.start)
+            print(f"    steps drawn in {plot}")
         del llm
     print(f"  on / off: {results[True]['output_tok_per_s'] / results[False]['output_tok_per_s']:.2f}x throughput")
 

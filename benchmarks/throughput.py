@@ -48,30 +48,10 @@ def hf_throughput(path: str, prompts: list[list[int]], max_new_tokens: int,
     return {"output_tokens": generated, "seconds": seconds, "output_tok_per_s": generated / seconds}
 
 
-class StepTrace:
-    """A step callback (LLMEngine.add_step_callback, with the steps' GPU time): each step's StepStats and its
-    wall-clock period, from the callback of the step before (or from clear()) to its own."""
-
-    def __init__(self, llm) -> None:
-        self.records: list = []  # (StepStats, seconds)
-        self.last = time.perf_counter()
-        llm.llm_engine.add_step_callback(self, record_gpu_time=True)
-
-    def __call__(self, stats) -> None:
-        now = time.perf_counter()
-        self.records.append((stats, now - self.last))
-        self.last = now
-
-    def clear(self) -> None:
-        """Forget the steps so far (the warm-up's); the next step's period starts now."""
-        self.records.clear()
-        self.last = time.perf_counter()
-
-
 def summarize_trace(records: list, max_num_seqs: int = 256) -> dict[str, float]:
     """Steps that only decode against steps that also prefill, and the decode steps by batch size (in bands
     of 64 sequences): per step, the wall clock, the host's own time (schedule + launch + update) and, where
-    recorded, the GPU's (CUDA events)."""
+    recorded, the GPU's (CUDA events). `records`: StepRecorder.steps(), (StepStats, wall period in seconds)."""
 
     def figures(name: str, group: list) -> dict[str, float]:
         out = {f"{name} steps": len(group), f"{name} s": sum(seconds for _, seconds in group)}
@@ -132,10 +112,20 @@ def main() -> None:
                         help="below the number of prompts, static batching waits on each batch's longest request")
     parser.add_argument("--trace", action="store_true",
                         help="time every step (wall clock, host, GPU): decode-only vs mixed, by batch size")
+    parser.add_argument("--plot", default=None, metavar="FILE",
+                        help="draw each run's steps into a PNG (several runs: FILE-continuous.png, "
+                        "FILE-static.png, ...; needs matplotlib)")
     parser.add_argument("--repeat", type=int, default=1, help="run each scheduling policy this many times, "
                         "alternating (a fresh engine each time), to see the run-to-run spread")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    from tinyvllm.entrypoints.step_plot import StepRecorder, import_matplotlib, plot_path, plot_steps
+
+    if args.plot:
+        try:
+            import_matplotlib()  # before the runs, not after them
+        except ImportError as e:
+            parser.error(str(e))
     for name, large, small in (("num_prompts", 256, 16), ("peer_prompts", 64, 8), ("peer_max_tokens", 128, 8)):
         if getattr(args, name) is None:
             setattr(args, name, small if args.small else large)
@@ -161,20 +151,21 @@ def main() -> None:
           f"on {result['gpu']} at {result['commit']}: "
           f"{sum(map(len, prompts))} prompt tokens, {sum(p.max_tokens for p in params)} output tokens")
     policies = ("continuous",) + (() if args.no_static else ("static",))
-    for run, scheduling in enumerate(policies * args.repeat):
+    runs = policies * args.repeat
+    for run, scheduling in enumerate(runs):
         name = scheduling if run < len(policies) else f"{scheduling} (run {run // len(policies) + 1})"
         llm = LLM(path, skip_tokenizer_init=True, scheduling=scheduling, enforce_eager=args.enforce_eager,
                   async_scheduling=not args.no_async_scheduling,
                   max_model_len=4096, max_num_seqs=args.max_num_seqs,
                   enable_prefix_caching=not args.no_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
                   **engine_kwargs)
-        trace = StepTrace(llm) if args.trace else None
+        recorder = StepRecorder.attach(llm) if args.trace or args.plot else None
         try:
-            r = run_throughput(llm, prompts, params, on_start=trace.clear if trace is not None else None)
+            r = run_throughput(llm, prompts, params, on_start=recorder.clear if recorder is not None else None)
         finally:
             llm.llm_engine.shutdown()  # the tensor-parallel workers, before the next engine starts its own
-        if trace is not None:
-            r["trace"] = summarize_trace(trace.records, args.max_num_seqs)
+        if args.trace:
+            r["trace"] = summarize_trace(recorder.steps(), args.max_num_seqs)
         r["num_kv_blocks"] = llm.llm_engine.get_stats()["num_blocks"]
         result.setdefault(scheduling, r)
         result.setdefault("runs", []).append({"scheduling": scheduling, **r})
@@ -182,8 +173,14 @@ def main() -> None:
                                        "tok/s speed of light")
         print(f"  tinyvllm {name}: {r['output_tok_per_s']:,.0f} output tok/s ({r['seconds']:.1f} s, "
               f"{r['preemptions']} preemptions){light}")
-        if trace is not None:
+        if args.trace:
             print_trace(r["trace"])
+        if args.plot:
+            plot = plot_path(args.plot, name, only=len(runs) == 1)
+            plot_steps(recorder.records, plot, f"throughput-{args.num_prompts}, {name}: "
+                       f"{r['output_tok_per_s']:,.0f} output tok/s\n{result['gpu']} at {result['commit']}, "
+                       f"max_num_seqs {args.max_num_seqs}, prefix caching {caching}{tp}", start=recorder.start)
+            print(f"    steps drawn in {plot}")
         del llm
         torch.cuda.empty_cache()
     if "static" in result:

@@ -29,6 +29,9 @@ SMALL_RUNS = {
     "shared_prefix.py": ["--small", "--num-requests", "4", "--prefix-len", "64", "--question-len", "8",
                          "--output-len", "4"],
 }
+# The scripts that take --plot FILE, with the files a --plot steps.png run of SMALL_RUNS draws (one per run).
+PLOTS = {"throughput.py": ["steps-continuous.png", "steps-static.png"],
+         "shared_prefix.py": ["steps-caching-on.png", "steps-caching-off.png"]}
 GPU_ONLY = {"bench_kernels.py", "profile_step.py"}  # --help only: they time CUDA kernels and graphs
 NOT_SCRIPTS = {"common.py"}
 
@@ -118,10 +121,14 @@ def test_starts_with_help_and_leaves_transformers_importable(script):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(SMALL_RUNS))
-def test_runs_small_on_the_cpu(script):
+def test_runs_small_on_the_cpu(script, tmp_path):
     path = os.path.join("benchmarks", script)
-    command = f"python {path} {' '.join(SMALL_RUNS[script])}"
-    proc = python(path, *SMALL_RUNS[script], timeout=300)
+    args = SMALL_RUNS[script] + (["--plot", str(tmp_path / "steps.png")] if script in PLOTS else [])
+    command = f"python {path} {' '.join(args)}"
+    proc = python(path, *args, timeout=300)
     assert proc.returncode == 0, failure(proc, command)
     # latency.py and throughput.py report a transformers peer that fails, and go on: here that is a failure.
     assert "failed" not in proc.stdout, failure(proc, f"{command} (a peer failed)")
+    for name in PLOTS.get(script, ()):
+        with open(tmp_path / name, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", f"{command} drew no {name}"

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import functools
 import itertools
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -157,17 +158,34 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from tinyvllm import LLM
     from tinyvllm.entrypoints.bench_offline import random_workload, run_throughput, throughput_workload
+    from tinyvllm.entrypoints.step_plot import StepRecorder, import_matplotlib, plot_steps
 
+    if args.plot:
+        try:
+            import_matplotlib()  # before the run, not after it
+        except ImportError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     llm = LLM(**vars(engine_config(args, skip_tokenizer_init=True)))
     vocab_size = llm.llm_engine.model_config.vocab_size
     if args.dataset_name == "random":
         prompts, params = random_workload(args.num_prompts, args.input_len, args.output_len, vocab_size=vocab_size)
+        workload = f"random, {args.input_len} prompt and {args.output_len} output tokens each"
     else:
         prompts, params = throughput_workload(args.num_prompts, max_input=args.max_input_len,
                                               max_output=args.max_output_len, vocab_size=vocab_size)
-    r = run_throughput(llm, prompts, params, use_tqdm=True)
+        workload = f"nano-vllm, up to {args.max_input_len} prompt and {args.max_output_len} output tokens"
+    recorder = StepRecorder.attach(llm) if args.plot else None
+    r = run_throughput(llm, prompts, params, on_start=recorder.clear if recorder is not None else None,
+                       use_tqdm=True)
     print(f"throughput, {args.num_prompts} prompts ({r['prompt_tokens']} tokens): {r['output_tokens']} output "
           f"tokens in {r['seconds']:.2f} s = {r['output_tok_per_s']:,.1f} output tok/s, {r['preemptions']} preemptions")
+    if recorder is not None:
+        model = os.path.basename(os.path.normpath(args.model)) if args.model else "the embedded model"
+        title = (f"tinyvllm bench throughput: {r['output_tok_per_s']:,.1f} output tok/s\n{model} on "
+                 f"{llm.llm_engine.device.type}, {args.num_prompts} prompts ({workload})")
+        plot_steps(recorder.records, args.plot, title, start=recorder.start)
+        print(f"steps drawn in {args.plot}")
     return 0
 
 
@@ -244,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-output-len", type=int, default=1024, help="nano-vllm: the longest output")
     p.add_argument("--input-len", type=int, default=1024, help="random: prompt tokens per request")
     p.add_argument("--output-len", type=int, default=128, help="random: output tokens per request")
+    p.add_argument("--plot", default=None, metavar="FILE",
+                   help="draw the measured steps (tokens, requests, KV blocks, preemptions, step times) into a "
+                        "PNG (needs matplotlib)")
     add_engine_args(p, skip=("skip_tokenizer_init",))
     p.set_defaults(func=cmd_bench_throughput)
     return parser
