@@ -27,7 +27,10 @@ pytestmark = CUDA_ONLY
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = [[(i * 37 + j * 11) % 10000 for j in range(n)] for i, n in enumerate((5, 40, 130, 300))]
 NUM_TOKENS = 64
-ENGINE_ARGS = dict(skip_tokenizer_init=True, max_model_len=2048, gpu_memory_utilization=0.3, max_num_seqs=16)
+# max_num_batched_tokens 256: the longer prompts are chunked, so that steps mix prompt chunks with decodes (the
+# piecewise CUDA graphs' case) as well as being prompt-only or decode-only.
+ENGINE_ARGS = dict(skip_tokenizer_init=True, max_model_len=2048, gpu_memory_utilization=0.3, max_num_seqs=16,
+                   max_num_batched_tokens=256)
 LOGIT_LENGTHS = (7, 300, 1500)
 LOGIT_TOLERANCE = {"bfloat16": 3e-2, "float32": 1e-4}
 
@@ -49,14 +52,16 @@ from tinyvllm import LLM, SamplingParams, ops
 path, dtype, enforce_eager, async_scheduling, num_tokens, prompts, engine_args = json.loads(sys.argv[1])
 llm = LLM(path, dtype=dtype, enforce_eager=enforce_eager, async_scheduling=async_scheduling, **engine_args)
 engine = llm.llm_engine
-overlapped = []
-engine.add_step_callback(lambda stats: overlapped.append(stats.num_inputs_in_flight > 0))
+overlapped, mixed = [], []
+engine.add_step_callback(lambda stats: (overlapped.append(stats.num_inputs_in_flight > 0),
+                                        mixed.append(stats.num_prefill_tokens > 0 and stats.num_decode_tokens > 0)))
 params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
 tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 print("RESULT" + json.dumps(dict(
     tokens=tokens, triton=ops.triton_available(),
     cuda_graphs=engine.engine_core.model_runner.cuda_graphs is not None,
-    steps=len(overlapped), overlapped_steps=sum(overlapped))))
+    piecewise_graphs=engine.engine_core.model_runner.piecewise_graphs is not None,
+    steps=len(overlapped), overlapped_steps=sum(overlapped), mixed_steps=sum(mixed))))
 """
 
 
@@ -155,9 +160,10 @@ def test_greedy_run_takes_its_path(greedy_runs: GreedyRuns, dtype: str, name: st
         f"{name} ({dtype}): tokens per prompt {[len(t) for t in run['tokens']]}, expected {NUM_TOKENS} each"
     assert run["triton"] == (not reference), \
         f"{name} ({dtype}): ops.triton_available() is {run['triton']}, expected {not reference}"
-    assert run["cuda_graphs"] == (not eager), \
-        f"{name} ({dtype}): CUDA graphs {'captured' if run['cuda_graphs'] else 'not captured'}, expected " \
-        f"{'none' if eager else 'graphs'}"
+    assert run["cuda_graphs"] == run["piecewise_graphs"] == (not eager), \
+        f"{name} ({dtype}): CUDA graphs {'captured' if run['cuda_graphs'] else 'not captured'}, piecewise " \
+        f"{'captured' if run['piecewise_graphs'] else 'not captured'}, expected {'none' if eager else 'graphs'}"
+    assert run["mixed_steps"] > 0, f"{name} ({dtype}): no step mixed a prompt chunk with decodes"
     if overlap:
         assert run["overlapped_steps"] > 0, \
             f"{name} ({dtype}): async scheduling on, but no step of {run['steps']} took an input still in flight"

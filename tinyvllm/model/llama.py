@@ -140,7 +140,7 @@ class LlamaAttention(nn.Module):
         # One kernel: q rotated in place, k rotated on its way into the cache, v copied there.
         q = ops.rotary_embedding_and_store(positions, q, k, v, cos_sin, self.k_cache, self.v_cache,
                                            meta.slot_mapping)
-        out = ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        out = (meta.attention or ops.paged_attention)(q, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

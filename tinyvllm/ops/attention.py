@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64, -1 for padding tokens
     max_query_len: int
     max_context_len: int
+    # What computes attention, if not ops.paged_attention (same signature): the piecewise CUDA graphs
+    # (worker/cuda_graphs.py) cut their capture there, since attention's grid depends on the batch.
+    attention: Callable[..., torch.Tensor] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -1,4 +1,5 @@
-"""CUDA graphs for decode steps.
+"""CUDA graphs: whole decode steps (CudaGraphs), and the pieces between attention calls of steps that hold
+prompt tokens (PiecewiseCudaGraphs).
 
 A decode step of a small model is tens of kernel launches per layer: on a slow host CPU, launching them
 costs more than running them. Each batch size of a ladder gets a graph captured once, over persistent
@@ -7,8 +8,12 @@ and replays the graph of the next size up."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 import torch
 
+from tinyvllm import ops
 from tinyvllm.ops import AttentionMetadata
 
 
@@ -42,6 +47,7 @@ class CudaGraphs:
                 self.outputs[:bs] = model(*args)
             pool = graph.pool()
             self.graphs[bs] = graph
+        self.pool = pool  # (the piecewise graphs share it: no two graphs ever run at once)
         for graph in self.graphs.values():
             graph.replay()  # the first replay uploads the graph to the device: pay for it now, not mid-run
         torch.cuda.synchronize()
@@ -63,3 +69,96 @@ class CudaGraphs:
         b["block_tables"][:num_seqs, : meta.block_tables.shape[1]] = meta.block_tables
         self.graphs[bs].replay()
         return self.outputs[:num_seqs]
+
+
+@dataclass
+class _Pieces:
+    """One token count's capture: graphs[i] runs up to attention call i (graphs[-1] to the end), whose inputs
+    and output buffer attention[i] holds; output is the hidden states the last graph writes."""
+
+    graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
+    attention: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor]] = field(default_factory=list)
+    output: torch.Tensor | None = None
+
+
+class PiecewiseCudaGraphs:
+    """CUDA graphs for steps with prompt tokens (a prompt chunk among decodes, as a server's steps are while
+    requests keep arriving), up to a few thousand tokens: everything but attention, one graph per piece between
+    two attention calls, per token count of a ladder. Attention runs eagerly between the pieces, with the step's
+    own metadata (its grid depends on the sequences and their query lengths, which a graph cannot change). So
+    such a step costs a replay and an attention launch per layer instead of tens of launches: on a slow host,
+    launching an eager step took longer than the GPU ran it. Padding tokens (to the ladder's size) store no K/V
+    (slot -1) and attend to nothing; every other op works row by row, so they cannot touch the real ones."""
+
+    @torch.inference_mode()
+    def __init__(self, model: torch.nn.Module, max_num_tokens: int, device: torch.device,
+                 pool: tuple[int, int] | None = None) -> None:
+        ladder = [*range(64, 512, 64), *range(512, 1024, 128), *range(1024, 2048 + 1, 256)]
+        self.token_counts = [t for t in ladder if t < max_num_tokens] + [min(max_num_tokens, 2048)]
+        top = self.token_counts[-1]
+        self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(top, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((top,), -1, dtype=torch.int64, device=device)
+        self.pieces: dict[int, _Pieces] = {}
+        self.pool = pool
+        empty = torch.zeros(1, dtype=torch.int32, device=device)
+        for count in reversed(self.token_counts):
+            args = (self.input_ids[:count], self.positions[:count])
+
+            def meta(attention: Callable[..., torch.Tensor], count: int = count) -> AttentionMetadata:
+                """Only slot_mapping is read inside the pieces (by the K/V store); attention is `attention`."""
+                return AttentionMetadata(empty, empty, empty.view(1, 1), self.slot_mapping[:count], 1, 1, attention)
+
+            model(*args, meta(lambda q, *rest: torch.zeros_like(q)))  # warm-up: compiles outside the capture
+            self.pieces[count] = self._capture(model, args, meta)
+        for pieces in self.pieces.values():
+            for graph in pieces.graphs:
+                graph.replay()  # the first replay uploads the graph: pay for it now, not mid-run
+        torch.cuda.synchronize()
+
+    def _capture(self, model: torch.nn.Module, args: tuple,
+                 meta: Callable[[Callable[..., torch.Tensor]], AttentionMetadata]) -> _Pieces:
+        pieces = _Pieces()
+        stream = torch.cuda.Stream()
+        torch.cuda.synchronize()
+
+        def begin() -> None:
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=self.pool)
+            pieces.graphs.append(graph)
+
+        def cut(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, _meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+            pieces.graphs[-1].capture_end()
+            self.pool = pieces.graphs[-1].pool()
+            out = torch.empty_like(q)  # (outside any capture: the buffer the next piece reads)
+            pieces.attention.append((q, k_cache, v_cache, scale, out))
+            begin()
+            return out
+
+        with torch.cuda.stream(stream):
+            begin()
+            pieces.output = model(*args, meta(cut))
+            pieces.graphs[-1].capture_end()
+            self.pool = pieces.graphs[-1].pool()
+        torch.cuda.synchronize()
+        return pieces
+
+    def fits(self, num_tokens: int) -> bool:
+        return num_tokens <= self.token_counts[-1]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The hidden states of a step of `num_tokens` tokens, through the pieces of the next count up."""
+        n = input_ids.shape[0]
+        count = next(t for t in self.token_counts if t >= n)
+        self.input_ids[:n] = input_ids
+        self.positions[:n] = positions
+        self.slot_mapping[:n] = meta.slot_mapping
+        self.slot_mapping[n:count] = -1
+        pieces = self.pieces[count]
+        for graph, (q, k_cache, v_cache, scale, out) in zip(pieces.graphs, pieces.attention):
+            graph.replay()
+            out[:n] = ops.paged_attention(q[:n], k_cache, v_cache, meta, scale)
+        pieces.graphs[-1].replay()
+        assert pieces.output is not None
+        return pieces.output[:n]

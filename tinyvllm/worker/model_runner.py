@@ -1,6 +1,7 @@
 """The ModelRunner owns the model and its KV cache. Each step it takes a SchedulerOutput (plain data),
 updates its own state of the sequences it holds (input_batch.py), builds the batch's tensors, runs the
-forward pass (through a CUDA graph for decode steps, when it can), and samples the next token of every
+forward pass (through a CUDA graph for decode steps, and through graphs of the pieces between attention calls
+for other steps of up to 2,048 tokens, when it can), and samples the next token of every
 sequence whose last known token was in the step. It imports nothing from the engine."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.contract import SchedulerOutput
 from tinyvllm.distributed import TensorParallel
 from tinyvllm.ops import AttentionMetadata
-from tinyvllm.worker.cuda_graphs import CudaGraphs
+from tinyvllm.worker.cuda_graphs import CudaGraphs, PiecewiseCudaGraphs
 from tinyvllm.worker.input_batch import LOGPROBS, MIN_TOKENS, PENALTIES, InputBatch
 from tinyvllm.worker.kv_cache import decide_num_blocks
 from tinyvllm.worker.sampler import AsyncModelRunnerOutput, Sampler, SamplingTensors, step_seeds
@@ -55,11 +56,14 @@ class ModelRunner:
         self._staging = Staging(device)
         self._last_output: AsyncModelRunnerOutput | None = None  # the step before: its tokens may be in flight
         self.cuda_graphs: CudaGraphs | None = None
+        self.piecewise_graphs: PiecewiseCudaGraphs | None = None
         # (The reference ops synchronize with the host, so they are not capturable; and graphs holding NCCL
         # collectives are not captured yet: tensor parallelism runs eager.)
         if device.type == "cuda" and not config.enforce_eager and ops.triton_available() and tp.size == 1:
             self.cuda_graphs = CudaGraphs(model, config.max_num_seqs, self.max_blocks_per_seq, self.block_size,
                                           model_config.hidden_size, dtype, device)
+            self.piecewise_graphs = PiecewiseCudaGraphs(model, config.max_num_batched_tokens, device,
+                                                        self.cuda_graphs.pool)
 
     # ---- one step ---------------------------------------------------------------------------------
     def _update_states(self, step: SchedulerOutput) -> None:
@@ -163,8 +167,11 @@ class ModelRunner:
             timer = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             timer[0].record()
         inputs = self.prepare(step)
-        if inputs.meta.is_decode and self.cuda_graphs is not None and self.cuda_graphs.fits(len(step.seq_ids)):
-            hidden = self.cuda_graphs.replay(inputs.input_ids, inputs.positions, inputs.meta)
+        graphs, pieces = self.cuda_graphs, self.piecewise_graphs
+        if inputs.meta.is_decode and graphs is not None and graphs.fits(len(step.seq_ids)):
+            hidden = graphs.replay(inputs.input_ids, inputs.positions, inputs.meta)
+        elif pieces is not None and pieces.fits(inputs.input_ids.shape[0]):
+            hidden = pieces.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         batch = self.input_batch
