@@ -209,6 +209,8 @@ def main() -> int:
     parser.add_argument("--num-clients", type=int, default=1,
                         help="client processes per level (at most its concurrency): one Python client can be "
                              "slower than the server it measures")
+    parser.add_argument("--api-server-count", type=int, default=1,
+                        help="API server processes in front of the engine core (the server's --api-server-count)")
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="sample the server and its engine core with py-spy during each measured level, "
                              "into DIR/serve-c<concurrency>.txt (collapsed stacks; py-spy must be installed)")
@@ -226,13 +228,14 @@ def main() -> int:
     engine_kwargs = {"device": args.device, "max_model_len": args.max_model_len, "max_num_seqs": max(levels),
                      "enforce_eager": args.enforce_eager}
     engine_args = ["--device", args.device, "--max-model-len", str(args.max_model_len), "--max-num-seqs",
-                   str(max(levels))] + (["--enforce-eager"] if args.enforce_eager else [])
+                   str(max(levels)), "--api-server-count", str(args.api_server_count)] + (
+                       ["--enforce-eager"] if args.enforce_eager else [])
 
     result: dict[str, Any] = {"commit": commit(), "gpu": gpu_name(), "model": path, "input_len": args.input_len,
                               "output_len": args.output_len, "engine": engine_kwargs, "levels": []}
     print(f"serve on {result['gpu']} at {result['commit']}: {path} (vocabulary {vocab_size}, no tokenizer), "
           f"{args.input_len} random prompt tokens, {args.output_len} output tokens (greedy, ignore_eos), streamed "
-          f"/v1/completions, max_num_seqs {max(levels)}", flush=True)
+          f"/v1/completions, max_num_seqs {max(levels)}, {args.api_server_count} API server process(es)", flush=True)
     log_path = args.server_log or f"/tmp/tinyvllm-serve-{os.getpid()}.log"
     port = free_port()
     url = f"http://127.0.0.1:{port}"

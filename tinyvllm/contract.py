@@ -89,6 +89,17 @@ class EngineCoreOutputs:
             for entry, value in theirs.items():
                 mine[entry + offset] = value
 
+    def select(self, entries: list[int]) -> EngineCoreOutputs:
+        """The given entries (in that order) as outputs of their own: one API process's share of a step."""
+        out = EngineCoreOutputs([self.request_ids[e] for e in entries], [self.indexes[e] for e in entries],
+                                [self.token_ids[e] for e in entries])
+        for mine, theirs in ((out.finished, self.finished), (out.logprobs, self.logprobs), (out.first, self.first)):
+            if theirs:
+                for new, old in enumerate(entries):
+                    if old in theirs:
+                        mine[new] = theirs[old]
+        return out
+
     def add(self, request_id: str, index: int, token_id: int) -> int:
         """Append an entry; its position, for the sparse columns."""
         self.request_ids.append(request_id)

@@ -153,10 +153,12 @@ class AsyncLLMEngine:
         self.dead_reason: str | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig, core_process: bool = True) -> AsyncLLMEngine:
+    def from_config(cls, config: EngineConfig, core_process: bool = True,
+                    core_connection: Any = None) -> AsyncLLMEngine:
         """core_process: the engine core in a process of its own (engine/core_client.py), so that model steps
-        never wait for this process's event loop; False keeps it on the engine thread."""
-        return cls(LLMEngine(config, core_process=core_process))
+        never wait for this process's event loop; False keeps it on the engine thread. core_connection: a core
+        that another process started, shared with other API servers."""
+        return cls(LLMEngine(config, core_process=core_process, core_connection=core_connection))
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -301,6 +303,8 @@ class AsyncLLMEngine:
             self._post(self._fail_all, EngineDeadError(self.dead_reason))
             try:
                 self._stats = engine.get_stats()
+            except EngineCoreDeadError:
+                pass  # (the figures of its last message stay)
             except Exception:
                 logger.exception("reading the engine's last figures failed")
             try:

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.connection
 import signal
+import time
 import traceback
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -33,8 +36,10 @@ class EngineCoreDeadError(RuntimeError):
 
 
 def _core_main(config: EngineConfig, model_config: ModelConfig, model_path: str, device: str, dtype: torch.dtype,
-               max_model_len: int, conn: Any) -> None:
-    """The core process: build the EngineCore, then take commands and step until told to stop."""
+               max_model_len: int, conns: list[Connection]) -> None:
+    """The core process: build the EngineCore, then take commands and step until told to stop. Each of `conns`
+    leads to one API process (several with --api-server-count): a request's outputs go back to the one that
+    added it. The core stops on "stop", or once every connection has closed."""
     from tinyvllm.engine.engine_core import EngineCore
     from tinyvllm.worker.tp_worker import die_with_parent
 
@@ -43,50 +48,116 @@ def _core_main(config: EngineConfig, model_config: ModelConfig, model_path: str,
     try:
         core = EngineCore(config, model_config, model_path, torch.device(device), dtype, max_model_len)
     except BaseException as e:  # a ValueError is the user's to fix (a bad checkpoint, say): its message suffices
-        conn.send(("error", str(e) if isinstance(e, ValueError) else traceback.format_exc(), isinstance(e, ValueError)))
+        message = str(e) if isinstance(e, ValueError) else traceback.format_exc()
+        for conn in conns:
+            conn.send(("error", message, isinstance(e, ValueError)))
         return
-    conn.send(("ready", core.kv_capacity_tokens, core.get_stats()))
+    for conn in conns:
+        conn.send(("ready", core.kv_capacity_tokens, core.get_stats()))
+    owners: dict[str, Connection] = {}  # request id -> the connection that added it
+    live = list(conns)
+    last_sent: dict[Connection, float] = {}
     try:
-        while True:
-            while conn.poll(0):  # every command waiting
-                command, *args = conn.recv()
-                if command == "stop":
-                    core.shutdown()
-                    return
-                getattr(core, command)(*args)  # add_request, abort_request, finish_sequence
+        while live:
+            for conn in multiprocessing.connection.wait(live, timeout=0 if core.has_unfinished_requests() else None):
+                try:
+                    while conn.poll(0):  # every command waiting
+                        command, *args = conn.recv()
+                        if command == "stop":
+                            return
+                        getattr(core, command)(*args)  # add_request, abort_request, finish_sequence
+                        if command == "add_request":
+                            owners[args[0]] = conn
+                        elif args[0] not in core.requests:  # aborted, or its last completion finished
+                            owners.pop(args[0], None)
+                except (EOFError, OSError):  # that API process is gone: drop its requests
+                    live.remove(conn)
+                    for request_id in [r for r, owner in owners.items() if owner is conn]:
+                        core.abort_request(request_id)
+                        del owners[request_id]
             if core.has_unfinished_requests():
-                conn.send(("outputs", core.step(), core.get_stats()))
+                _send_outputs(core, core.step(), owners, live, last_sent)
             else:  # idle (the last requests finished or were aborted): report it, then wait for a command
-                conn.send(("outputs", EngineCoreOutputs(), core.get_stats()))
-                conn.poll(None)
-    except (EOFError, BrokenPipeError):
-        return  # the API process is gone
+                for conn in live:
+                    conn.send(("outputs", EngineCoreOutputs(), core.get_stats()))
+    except BrokenPipeError:
+        return  # an API process went away mid-send: the server is stopping
     except BaseException:
-        try:
-            conn.send(("error", traceback.format_exc()))
-        finally:
-            core.shutdown()
+        for conn in live:
+            try:
+                conn.send(("error", traceback.format_exc()))
+            except OSError:
+                pass
+    finally:
+        core.shutdown()
+
+
+def _send_outputs(core: Any, outputs: EngineCoreOutputs, owners: dict[str, Connection], live: list[Connection],
+                  last_sent: dict[Connection, float]) -> None:
+    """One step's outputs to the API processes whose requests they are (one message each), with the figures;
+    the others get the figures alone, at most every 0.1 s (so that each one's /metrics stays current, while a
+    process that reads only between its own requests cannot fill its pipe)."""
+    stats = core.get_stats()
+    if len(live) == 1:
+        live[0].send(("outputs", outputs, stats))
+        return
+    shares: dict[Connection, list[int]] = {}
+    for entry, request_id in enumerate(outputs.request_ids):
+        owner = owners.get(request_id)
+        if owner is not None:
+            shares.setdefault(owner, []).append(entry)
+    now = time.monotonic()
+    for conn in live:
+        if conn in shares:
+            conn.send(("outputs", outputs.select(shares[conn]), stats))
+        elif now - last_sent.get(conn, 0.0) >= 0.1:
+            conn.send(("outputs", EngineCoreOutputs(), stats))
+        else:
+            continue
+        last_sent[conn] = now
+    for entry in outputs.finished:
+        request_id = outputs.request_ids[entry]
+        if request_id not in core.requests:  # (all its completions are done)
+            owners.pop(request_id, None)
+
+
+def start_engine_core(config: EngineConfig, model_config: ModelConfig, model_path: str, device: torch.device,
+                      dtype: torch.dtype, max_model_len: int,
+                      num_clients: int = 1) -> tuple[multiprocessing.process.BaseProcess, list[Connection]]:
+    """Start the core process; its process and one connection per client (an EngineCoreClient each)."""
+    ctx = multiprocessing.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(num_clients)]
+    # Not a daemon: the core starts tensor-parallel ranks of its own. It dies with this process (PDEATHSIG).
+    process = ctx.Process(target=_core_main, name="tinyvllm-engine-core", daemon=False,
+                          args=(config, model_config, model_path, str(device), dtype, max_model_len,
+                                [core_end for _, core_end in pipes]))
+    process.start()
+    for _, core_end in pipes:
+        core_end.close()  # (only the core holds these now: it sees EOF when a client goes, a client when it goes)
+    return process, [client_end for client_end, _ in pipes]
 
 
 class EngineCoreClient:
-    """EngineCore's interface, with the core in a child process."""
+    """EngineCore's interface, with the core in another process: one it starts and owns (`start`), or one that
+    another process started for several clients (the API servers of --api-server-count), given its connection."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: str, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        # Not a daemon: the core starts tensor-parallel ranks of its own. It dies with this process (PDEATHSIG).
-        self.process = ctx.Process(target=_core_main, name="tinyvllm-engine-core", daemon=False,
-                                   args=(config, model_config, model_path, str(device), dtype, max_model_len, child))
-        self.process.start()
-        child.close()
+    def __init__(self, conn: Connection, process: multiprocessing.process.BaseProcess | None = None) -> None:
+        self._conn = conn
+        self.process = process  # None: not ours (the core's death shows as the end of the pipe)
         self._outputs: EngineCoreOutputs | None = None  # read from the pipe by get_stats(), for the next step()
         kind, *rest = self._recv(_START_TIMEOUT_S)
         if kind != "ready":
-            self.process.join(10)
+            if process is not None:
+                process.join(10)
             text, users_error = rest
             raise (ValueError(text) if users_error else RuntimeError(f"the engine core failed to start:\n{text}"))
         self.kv_capacity_tokens, self._stats = rest
+
+    @classmethod
+    def start(cls, config: EngineConfig, model_config: ModelConfig, model_path: str, device: torch.device,
+              dtype: torch.dtype, max_model_len: int) -> EngineCoreClient:
+        process, (conn,) = start_engine_core(config, model_config, model_path, device, dtype, max_model_len)
+        return cls(conn, process)
 
     # ---- the EngineCore interface ------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -109,16 +180,20 @@ class EngineCoreClient:
         return outputs
 
     def get_stats(self) -> dict[str, float]:
-        """The core's figures as of the last message it sent (reading any that arrived; a dead core's last)."""
-        if self.process.is_alive():
-            self._drain()
+        """The core's figures as of the last message it sent (reading any that arrived). EngineCoreDeadError
+        once the core is gone: the server's engine thread asks while idle, which is how it notices."""
+        self._drain()
         return dict(self._stats)
 
     def _drain(self) -> None:
-        while self._conn.poll(0):
+        while not self._conn.closed and self._conn.poll(0):  # (closed: by our own shutdown)
             self._take(self._recv(None))
 
     def shutdown(self) -> None:
+        """Stop the core if it is ours; a shared one stops once its last client has closed its connection."""
+        if self.process is None:
+            self._conn.close()
+            return
         if self.process.is_alive():
             try:
                 self._conn.send(("stop",))
@@ -162,9 +237,12 @@ class EngineCoreClient:
             raise EngineCoreDeadError(self._death()) from e
 
     def _check_alive(self) -> None:
-        if not self.process.is_alive() and not self._conn.poll(0):
+        dead = self._conn.closed or (self.process is not None and not self.process.is_alive())
+        if dead and (self._conn.closed or not self._conn.poll(0)):
             raise EngineCoreDeadError(self._death())
 
     def _death(self) -> str:
+        if self.process is None:
+            return "the engine core process exited (its connection closed)"
         self.process.join(1)
         return f"the engine core process exited (exit code {self.process.exitcode})"

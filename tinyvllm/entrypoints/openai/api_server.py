@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -330,14 +331,29 @@ def _exit_cleanly(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
-def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
-    """`tinyvllm serve`: load the model, then serve until SIGINT/SIGTERM; returns 0 after a clean stop."""
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
-    api_key = args.api_key or os.environ.get("TINYVLLM_API_KEY") or None
+def check_server_args(args: argparse.Namespace) -> None:
     if not args.max_request_body_mb > 0:
         raise ValueError(f"--max-request-body-mb must be > 0, not {args.max_request_body_mb}")
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be at least 1, not {args.api_server_count}")
+
+
+def run_server(args: argparse.Namespace, config: EngineConfig, core_connection: Any = None,
+               sock: socket.socket | None = None) -> int:
+    """`tinyvllm serve`: load the model, then serve until SIGINT/SIGTERM; returns 0 after a clean stop. With
+    --api-server-count N > 1 the launcher (launcher.py) starts the engine core and N processes that each run
+    this with the core's connection and the listening socket."""
+    if args.api_server_count > 1 and core_connection is None:
+        from tinyvllm.entrypoints.openai.launcher import run_api_servers
+
+        return run_api_servers(args, config)
+    pid = " [pid %(process)d]" if args.api_server_count > 1 else ""  # (which of the API servers says it)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format=f"%(levelname)s %(name)s{pid}: %(message)s")
+    api_key = args.api_key or os.environ.get("TINYVLLM_API_KEY") or None
+    check_server_args(args)
     signal.signal(signal.SIGTERM, _exit_cleanly)  # while the model loads: nothing to shut down yet
-    engine = AsyncLLMEngine.from_config(config)
+    engine = AsyncLLMEngine.from_config(config, core_connection=core_connection)
     name = args.served_model_name or default_model_name(args.model)
     app = build_app(engine, name, api_key, max_body_mb=args.max_request_body_mb, access_log=args.access_log)
     # (uvicorn's own access log stays off: the app's logs the same requests, with their duration)
@@ -349,6 +365,6 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     # that re-raise does nothing, and a SIGINT/SIGTERM shutdown exits 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: None)
-    server.run()
+    server.run(sockets=None if sock is None else [sock])
     engine.shutdown()
     return 0 if server.started and not server.engine_failed else 1

@@ -5,14 +5,19 @@ The engine's own numbers (requests running and waiting, KV cache usage, token an
 prefix-cache queries and hits) are read from engine.get_stats() at scrape time by a custom collector;
 the per-request latencies (time to first token, inter-token latency, ...) are histograms observed as
 each request's outputs reach the server. request_success_total counts every completion once, by its finish
-reason, "abort" for those that ended unfinished (the client went away, the server shut down), as vLLM's."""
+reason, "abort" for those that ended unfinished (the client went away, the server shut down), as vLLM's.
+
+With several API server processes (--api-server-count) the launcher sets PROMETHEUS_MULTIPROC_DIR: each
+process then writes its histograms and counters there (prometheus_client's multiprocess mode) and /metrics,
+whichever process answers it, reads them all; the engine's figures are the one engine core's."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from tinyvllm.engine.async_engine import AsyncLLMEngine
@@ -52,20 +57,22 @@ class _EngineCollector:
             family = family_type(PREFIX + name, help_text, labels=["model_name"])
             family.add_metric([self.model_name], float(stats.get(key, 0)))
             yield family
-        family = GaugeMetricFamily(PREFIX + "num_requests_in_server", "HTTP requests being served.",
-                                   labels=["model_name"])
-        family.add_metric([self.model_name], float(self.engine.num_active_requests))
-        yield family
 
 
 class ServerMetrics:
     def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()  # what /metrics renders
         self.registry.register(_EngineCollector(engine, model_name))  # type: ignore[arg-type]
+        registry = self.registry
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import multiprocess
+
+            multiprocess.MultiProcessCollector(self.registry)  # every API process's files
+            registry = CollectorRegistry()  # (this process's own metrics: their values are in the files)
 
         def histogram(name: str, help_text: str, buckets: tuple[float, ...]) -> Any:
             return Histogram(PREFIX + name, help_text, ["model_name"], buckets=buckets,
-                             registry=self.registry).labels(model_name)
+                             registry=registry).labels(model_name)
 
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.",
                                              _LATENCY_BUCKETS)
@@ -77,7 +84,10 @@ class ServerMetrics:
         self.e2e_latency = histogram("e2e_request_latency_seconds", "Arrival to last token.", _REQUEST_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS)
         self._success = Counter(PREFIX + "request_success", "Requests finished, by finish reason.",
-                                ["model_name", "finished_reason"], registry=self.registry)
+                                ["model_name", "finished_reason"], registry=registry)
+        self.requests_in_server = Gauge(PREFIX + "num_requests_in_server", "HTTP requests being served.",
+                                        ["model_name"], registry=registry, multiprocess_mode="livesum"
+                                        ).labels(model_name)
         self._model_name = model_name
 
     def render(self) -> tuple[bytes, str]:
@@ -97,11 +107,16 @@ class RequestTracker:
 
     def __init__(self, metrics: ServerMetrics, request_ids: Iterable[str], n: int) -> None:
         self.metrics = metrics
+        self._open = True
+        metrics.requests_in_server.inc()
         self._last_token_time: dict[str, float] = {}
         self._num_tokens: dict[str, int] = {}  # per engine request: tokens of its longest completion
         self._unfinished = {(request_id, index) for request_id in request_ids for index in range(n)}
 
     def close(self) -> None:
+        if self._open:
+            self._open = False
+            self.metrics.requests_in_server.dec()
         if self._unfinished:
             self.metrics.record_finish("abort", len(self._unfinished))
             self._unfinished.clear()
