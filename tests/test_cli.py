@@ -87,3 +87,16 @@ def test_help_shows_each_default_and_serve_takes_the_model_as_an_argument(tiny_t
 
     args = build_parser().parse_args(["serve", tiny_text_checkpoint, "--port", "1"])
     assert args.model_tag == tiny_text_checkpoint
+
+
+def test_throughput_warm_up_leaves_no_prefix_cache_hits(tiny_text_checkpoint):
+    """The warm-up before the clock starts must not leave the measured prompts' blocks in the prefix cache (it
+    ran on the workload's own first prompts, whose prefill the measured run then skipped)."""
+    from tinyvllm import LLM
+    from tinyvllm.entrypoints.bench_offline import random_workload, run_throughput
+
+    llm = LLM(tiny_text_checkpoint, device="cpu", num_kv_blocks=256, skip_tokenizer_init=True)
+    prompts, params = random_workload(8, 40, 4)
+    result = run_throughput(llm, prompts, params)
+    assert result["output_tokens"] == 8 * 4
+    assert result["prefix_cache_hits"] == 0, result

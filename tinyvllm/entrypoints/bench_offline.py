@@ -131,18 +131,22 @@ def throughput_workload(num_prompts: int = 256, min_input: int = 100, max_input:
 
 def run_throughput(llm: Any, prompts: list[list[int]], params: list[SamplingParams],
                    on_start: Callable[[], None] | None = None, use_tqdm: bool = False) -> dict[str, float]:
-    # Warm-up on a slice of the workload, so that Triton compiles the kernel variants it will meet
-    # (prefill, mixed, decode with and without split combining) before the clock starts.
-    warm = prompts[: min(32, len(prompts))]
+    # Warm-up on prompts of the workload's first lengths, so that Triton compiles the kernel variants it will
+    # meet (prefill, mixed, decode with and without split combining) before the clock starts. Their tokens are
+    # reversed: the measured prompts themselves would leave their blocks in the prefix cache, and the measured
+    # run would then skip part of its prefill.
+    warm = [p[::-1] for p in prompts[: min(32, len(prompts))]]
     llm.generate(warm, SamplingParams(max_tokens=32, ignore_eos=True), use_tqdm=False)
     _sync(llm)
     if on_start is not None:  # (benchmarks/throughput.py --trace: forget the warm-up's steps)
         on_start()
+    before = llm.llm_engine.get_stats()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     _sync(llm)
     seconds = time.perf_counter() - start
+    stats = llm.llm_engine.get_stats()
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"output_tokens": generated, "prompt_tokens": sum(map(len, prompts)), "seconds": seconds,
-            "output_tok_per_s": generated / seconds,
-            "preemptions": llm.llm_engine.get_stats()["num_preemptions"]}
+            "output_tok_per_s": generated / seconds, "preemptions": stats["num_preemptions"],
+            "prefix_cache_hits": stats["prefix_cache_hits"] - before["prefix_cache_hits"]}
