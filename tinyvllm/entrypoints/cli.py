@@ -136,10 +136,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from tinyvllm.entrypoints.openai.api_server import run_server  # fastapi, uvicorn, prometheus_client: only here
+    # (fastapi, uvicorn and prometheus_client are imported here only)
+    from tinyvllm.entrypoints.openai.api_server import run_server
+    from tinyvllm.entrypoints.openai.launcher import run_api_servers
 
     args.model = args.model or args.model_tag
-    return run_server(args, engine_config(args))
+    return (run_api_servers if args.api_server_count > 1 else run_server)(args, engine_config(args))
 
 
 def cmd_bench_latency(args: argparse.Namespace) -> int:

@@ -343,10 +343,6 @@ def run_server(args: argparse.Namespace, config: EngineConfig, core_connection: 
     """`tinyvllm serve`: load the model, then serve until SIGINT/SIGTERM; returns 0 after a clean stop. With
     --api-server-count N > 1 the launcher (launcher.py) starts the engine core and N processes that each run
     this with the core's connection and the listening socket."""
-    if args.api_server_count > 1 and core_connection is None:
-        from tinyvllm.entrypoints.openai.launcher import run_api_servers
-
-        return run_api_servers(args, config)
     pid = " [pid %(process)d]" if args.api_server_count > 1 else ""  # (which of the API servers says it)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format=f"%(levelname)s %(name)s{pid}: %(message)s")
