@@ -44,81 +44,115 @@ def _core_main(config: EngineConfig, model_config: ModelConfig, model_path: str,
     from tinyvllm.worker.tp_worker import die_with_parent
 
     die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the API process's to handle: it stops the core
+    # Signals are the API processes' (or the launcher's) to handle: they stop the core through its connections,
+    # and it dies with its parent. (A SIGTERM to the whole group, as a service manager sends, would otherwise
+    # kill it before the API servers have shut down.)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    server = _CoreServer(conns)
     try:
         core = EngineCore(config, model_config, model_path, torch.device(device), dtype, max_model_len)
     except BaseException as e:  # a ValueError is the user's to fix (a bad checkpoint, say): its message suffices
         message = str(e) if isinstance(e, ValueError) else traceback.format_exc()
-        for conn in conns:
-            conn.send(("error", message, isinstance(e, ValueError)))
+        server.broadcast(("error", message, isinstance(e, ValueError)))
         return
-    for conn in conns:
-        conn.send(("ready", core.kv_capacity_tokens, core.get_stats()))
-    owners: dict[str, Connection] = {}  # request id -> the connection that added it
-    live = list(conns)
-    last_sent: dict[Connection, float] = {}
     try:
-        while live:
-            for conn in multiprocessing.connection.wait(live, timeout=0 if core.has_unfinished_requests() else None):
-                try:
-                    while conn.poll(0):  # every command waiting
-                        command, *args = conn.recv()
-                        if command == "stop":
-                            return
-                        getattr(core, command)(*args)  # add_request, abort_request, finish_sequence
-                        if command == "add_request":
-                            owners[args[0]] = conn
-                        elif args[0] not in core.requests:  # aborted, or its last completion finished
-                            owners.pop(args[0], None)
-                except (EOFError, OSError):  # that API process is gone: drop its requests
-                    live.remove(conn)
-                    for request_id in [r for r, owner in owners.items() if owner is conn]:
-                        core.abort_request(request_id)
-                        del owners[request_id]
-            if core.has_unfinished_requests():
-                _send_outputs(core, core.step(), owners, live, last_sent)
-            else:  # idle (the last requests finished or were aborted): report it, then wait for a command
-                for conn in live:
-                    conn.send(("outputs", EngineCoreOutputs(), core.get_stats()))
-    except BrokenPipeError:
-        return  # an API process went away mid-send: the server is stopping
+        server.broadcast(("ready", core.kv_capacity_tokens, core.get_stats()))
+        server.run(core)
     except BaseException:
-        for conn in live:
-            try:
-                conn.send(("error", traceback.format_exc()))
-            except OSError:
-                pass
+        server.broadcast(("error", traceback.format_exc()))
     finally:
         core.shutdown()
 
 
-def _send_outputs(core: Any, outputs: EngineCoreOutputs, owners: dict[str, Connection], live: list[Connection],
-                  last_sent: dict[Connection, float]) -> None:
-    """One step's outputs to the API processes whose requests they are (one message each), with the figures;
-    the others get the figures alone, at most every 0.1 s (so that each one's /metrics stays current, while a
-    process that reads only between its own requests cannot fill its pipe)."""
-    stats = core.get_stats()
-    if len(live) == 1:
-        live[0].send(("outputs", outputs, stats))
-        return
-    shares: dict[Connection, list[int]] = {}
-    for entry, request_id in enumerate(outputs.request_ids):
-        owner = owners.get(request_id)
-        if owner is not None:
-            shares.setdefault(owner, []).append(entry)
-    now = time.monotonic()
-    for conn in live:
-        if conn in shares:
-            conn.send(("outputs", outputs.select(shares[conn]), stats))
-        elif now - last_sent.get(conn, 0.0) >= 0.1:
-            conn.send(("outputs", EngineCoreOutputs(), stats))
+class _CoreServer:
+    """The core process's side of its connections: commands in, each step's outputs out to the API process
+    that owns them. An API process that goes away (EOF, or a broken pipe on a send) loses its requests, and
+    the others go on."""
+
+    def __init__(self, conns: list[Connection]) -> None:
+        self.live = list(conns)
+        self.owners: dict[str, Connection] = {}  # request id -> the connection that added it
+        self.last_sent: dict[Connection, float] = {}
+
+    def run(self, core: Any) -> None:
+        idle_reported = True  # (the ready message carried the figures)
+        while self.live:
+            busy = core.has_unfinished_requests() or not idle_reported
+            for conn in multiprocessing.connection.wait(self.live, timeout=0 if busy else None):
+                if self._take_commands(core, conn):
+                    return
+            if core.has_unfinished_requests():
+                self._send_outputs(core, core.step())
+                idle_reported = False
+            elif not idle_reported:  # the last requests finished or were aborted: every API process hears it
+                self.broadcast(("outputs", EngineCoreOutputs(), core.get_stats()))
+                idle_reported = True
+
+    def _take_commands(self, core: Any, conn: Connection) -> bool:
+        """Every command waiting on `conn`; True on "stop"."""
+        try:
+            while conn.poll(0):
+                command, *args = conn.recv()
+                if command == "stop":
+                    return True
+                getattr(core, command)(*args)  # add_request, abort_request, finish_sequence
+                if command == "add_request":
+                    self.owners[args[0]] = conn
+                elif args[0] not in core.requests:  # aborted, or its last completion finished
+                    self.owners.pop(args[0], None)
+        except (EOFError, OSError):
+            self._drop(core, conn)
+        return False
+
+    def _send_outputs(self, core: Any, outputs: EngineCoreOutputs) -> None:
+        """One step's outputs to the API processes whose requests they are (one message each, empty for one
+        whose requests got no token, so that it never waits long to pass on its next commands), with the
+        figures; a process with no request in the core gets the figures alone, at most every 0.1 s (so that
+        its /metrics stays current, and a process that reads only between requests cannot fill its pipe)."""
+        stats = core.get_stats()
+        if len(self.live) == 1:
+            self._send(core, self.live[0], ("outputs", outputs, stats))
         else:
-            continue
-        last_sent[conn] = now
-    for entry in outputs.finished:
-        request_id = outputs.request_ids[entry]
-        if request_id not in core.requests:  # (all its completions are done)
-            owners.pop(request_id, None)
+            shares: dict[Connection, list[int]] = {conn: [] for conn in set(self.owners.values())}
+            for entry, request_id in enumerate(outputs.request_ids):
+                owner = self.owners.get(request_id)
+                if owner is not None:
+                    shares[owner].append(entry)
+            now = time.monotonic()
+            for conn in list(self.live):
+                if conn in shares:
+                    self._send(core, conn, ("outputs", outputs.select(shares[conn]), stats))
+                elif now - self.last_sent.get(conn, 0.0) >= 0.1:
+                    self._send(core, conn, ("outputs", EngineCoreOutputs(), stats))
+                else:
+                    continue
+                self.last_sent[conn] = now
+        for entry in outputs.finished:
+            request_id = outputs.request_ids[entry]
+            if request_id not in core.requests:  # (all its completions are done)
+                self.owners.pop(request_id, None)
+
+    def _send(self, core: Any, conn: Connection, message: tuple) -> None:
+        try:
+            conn.send(message)
+        except OSError:  # (a broken pipe: that API process is gone)
+            self._drop(core, conn)
+
+    def _drop(self, core: Any, conn: Connection) -> None:
+        """An API process went away: abort its requests, which frees their blocks."""
+        if conn in self.live:
+            self.live.remove(conn)
+        for request_id in [r for r, owner in self.owners.items() if owner is conn]:
+            core.abort_request(request_id)
+            del self.owners[request_id]
+
+    def broadcast(self, message: tuple) -> None:
+        for conn in list(self.live):
+            try:
+                conn.send(message)
+            except OSError:
+                self.live.remove(conn)
 
 
 def start_engine_core(config: EngineConfig, model_config: ModelConfig, model_path: str, device: torch.device,

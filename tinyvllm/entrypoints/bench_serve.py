@@ -157,7 +157,9 @@ def _session(connections: int, duration_limit: float) -> Any:
     environment by default, as it must for a loopback server.)"""
     import aiohttp
 
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections),
+    # read_bufsize: a streamed line may be up to twice this long (aiohttp's default allows 128 KiB, which a
+    # chunk with many logprobs can pass).
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections), read_bufsize=2**22,
                                  timeout=aiohttp.ClientTimeout(total=duration_limit + 30.0, connect=10.0))
 
 

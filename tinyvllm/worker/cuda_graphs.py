@@ -74,7 +74,10 @@ class CudaGraphs:
 @dataclass
 class _Pieces:
     """One token count's capture: graphs[i] runs up to attention call i (graphs[-1] to the end), whose inputs
-    and output buffer attention[i] holds; output is the hidden states the last graph writes."""
+    and output buffer attention[i] holds; output is the hidden states the last graph writes (pool memory that
+    the next replay of any graph overwrites: read it before then). Each count keeps its own query (a view of
+    its QKV product) and output per layer: for the 1B model about 10 KB per token row per layer, some 2 GB over
+    the ladder, on top of what the KV cache was sized to leave free."""
 
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
     attention: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor]] = field(default_factory=list)
@@ -94,7 +97,7 @@ class PiecewiseCudaGraphs:
     def __init__(self, model: torch.nn.Module, max_num_tokens: int, device: torch.device,
                  pool: tuple[int, int] | None = None) -> None:
         ladder = [*range(64, 512, 64), *range(512, 1024, 128), *range(1024, 2048 + 1, 256)]
-        self.token_counts = [t for t in ladder if t < max_num_tokens] + [min(max_num_tokens, 2048)]
+        self.token_counts = sorted({t for t in ladder if t < max_num_tokens} | {min(max_num_tokens, 2048)})
         top = self.token_counts[-1]
         self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
         self.positions = torch.zeros(top, dtype=torch.int64, device=device)

@@ -6,8 +6,8 @@ is the limit when a single event loop and its GIL cannot take the requests and s
 engine produces.
 
 This process only supervises: SIGINT or SIGTERM stops the API servers (each aborts what it serves) and then
-the core; if an API server exits with an error, or the core dies (every API server then fails its requests
-with a 503 and exits non-zero), the rest are stopped and the exit code is non-zero."""
+the core; if an API server exits unasked, or the core dies (every API server then fails its requests with a
+503 and exits non-zero), the rest are stopped and the exit code is non-zero."""
 
 from __future__ import annotations
 
@@ -85,6 +85,8 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
     try:
         ctx = multiprocessing.get_context("spawn")
         for i in range(n):
+            if stopping:  # (a signal while they start: start no more)
+                break
             servers.append(ctx.Process(target=_api_server_main, name=f"tinyvllm-api-server-{i}",
                                        args=(args, config, connections[i], sock)))
             servers[-1].start()
@@ -98,12 +100,11 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
             multiprocessing.connection.wait([s.sentinel for s in running])
             for server in [s for s in running if not s.is_alive()]:
                 running.remove(server)
-                if server.exitcode != 0:
+                if server.exitcode != 0 or not stopping:  # (an API server that stops unasked is a failure too)
                     exit_code = exit_code or server.exitcode or 1
-                    if not stopping:
-                        logger.error("API server %s exited with %s: stopping the others", server.name,
-                                     server.exitcode)
-                        stop()
+                if not stopping:
+                    logger.error("API server %s exited with %s: stopping the others", server.name, server.exitcode)
+                    stop()
         core.join(30)  # it stops once every API server has closed its connection
         return exit_code
     finally:

@@ -133,12 +133,13 @@ class RequestTracker:
         previous = self._last_token_time.get(output.request_id)
         new_tokens = max(len(c.token_ids) for c in output.outputs)
         # One inter-token interval per token after the first: tokens that arrive together (several engine
-        # steps in one delta) share the time since the last delta.
+        # steps in one delta) share the time since the last delta, or, in the first delta, since the first token.
         intervals = new_tokens if previous is not None else new_tokens - 1
         if previous is None and m.first_token_time is not None:
             self.metrics.time_to_first_token.observe(m.first_token_time - m.arrival_time)
-        if intervals > 0 and m.last_token_time >= (previous or m.last_token_time):
-            gap = (m.last_token_time - previous) / intervals if previous is not None else 0.0
+        since = previous if previous is not None else m.first_token_time
+        if intervals > 0 and since is not None and m.last_token_time >= since:
+            gap = (m.last_token_time - since) / intervals
             for _ in range(intervals):
                 self.metrics.inter_token_latency.observe(gap)
         self._last_token_time[output.request_id] = m.last_token_time
