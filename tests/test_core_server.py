@@ -45,8 +45,13 @@ class StandInCore:
         return out
 
 
-def start(num_clients: int) -> tuple[_CoreServer, StandInCore, threading.Thread, list]:
-    pipes = [multiprocessing.Pipe() for _ in range(num_clients)]
+def start(*commands: list[tuple]) -> tuple[_CoreServer, StandInCore, threading.Thread, list]:
+    """A core with one connection per list of commands, each sent before it starts (so that the first step
+    finds them all)."""
+    pipes = [multiprocessing.Pipe() for _ in commands]
+    for (client_end, _), sent in zip(pipes, commands):
+        for command in sent:
+            client_end.send(command)
     server, core = _CoreServer([core_end for _, core_end in pipes]), StandInCore()
     thread = threading.Thread(target=server.run, args=(core,), daemon=True)
     thread.start()
@@ -69,40 +74,35 @@ def read_until_idle(conn, timeout: float = 10.0) -> tuple[dict[str, list[int]], 
 
 
 def test_one_api_process_gets_every_token_and_nothing_is_kept():
-    server, core, thread, (conn,) = start(1)
-    for i in range(20):
-        conn.send(("add_request", f"r{i}", [1, 2], 3))
+    server, core, thread, (conn,) = start([("add_request", f"r{i}", [1, 2], 3) for i in range(20)])
     tokens, stats = read_until_idle(conn)
     assert sorted(tokens) == sorted(f"r{i}" for i in range(20)) and all(len(t) == 3 for t in tokens.values())
-    assert server.owners == {}  # (finished requests are forgotten)
     conn.send(("stop",))
     thread.join(5)
     assert not thread.is_alive()
+    assert server.owners == {}  # (finished requests are forgotten)
 
 
 def test_two_api_processes_get_their_own_tokens_and_both_hear_the_core_go_idle():
-    server, core, thread, (a, b) = start(2)
-    for i in range(5):
-        a.send(("add_request", f"a{i}", [1], 4))
+    server, core, thread, (a, b) = start([("add_request", f"a{i}", [1], 4) for i in range(5)], [])
     tokens_a, stats_a = read_until_idle(a)
     tokens_b, stats_b = read_until_idle(b)  # b had no request: it gets the figures, and the idle report
     assert sorted(tokens_a) == [f"a{i}" for i in range(5)] and not tokens_b
     assert stats_a == stats_b and stats_b["steps"] == core.steps
-    assert server.owners == {}
     a.close()
     b.close()
     thread.join(5)
     assert not thread.is_alive()  # (every connection closed: the core stops)
+    assert server.owners == {}
 
 
 def test_an_api_process_that_goes_away_loses_its_requests_and_the_others_go_on():
-    server, core, thread, (a, b) = start(2)
-    a.send(("add_request", "long", [1], 10_000))
-    b.send(("add_request", "b0", [1], 50))
+    server, core, thread, (a, b) = start([("add_request", "long", [1], 10_000)], [("add_request", "b0", [1], 50)])
     assert a.poll(5)
     a.close()  # gone mid-run, with its request unfinished
     tokens, _ = read_until_idle(b)
     assert tokens == {"b0": tokens["b0"]} and len(tokens["b0"]) == 50
-    assert "long" not in core.requests and server.owners == {} and thread.is_alive()
+    assert thread.is_alive()
     b.send(("stop",))
     thread.join(5)
+    assert "long" not in core.requests and server.owners == {}
