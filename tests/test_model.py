@@ -61,3 +61,23 @@ def test_greedy_tokens_match_transformers(engines):
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ours = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     assert ours == hf_greedy(hf, prompt, 32)
+
+
+def test_each_layer_computes_attention_through_the_metadata_once(engines):
+    """The piecewise CUDA graphs (worker/cuda_graphs.py) cut their capture where the model calls
+    AttentionMetadata.attention: every layer must call it once, in order, and use what it returns."""
+    from tinyvllm import ops
+
+    llm, _ = engines
+    layers = llm.llm_engine.engine_core.model_runner.model.model.layers
+    calls = []
+
+    def attention(q, k_cache, v_cache, meta, scale):
+        calls.append(k_cache.data_ptr())
+        return ops.paged_attention(q, k_cache, v_cache, meta, scale)
+
+    ids = [5, 17, 99, 3, 42, 7, 200, 31, 8, 9]
+    hooked = our_logits(llm, ids, attention)
+    assert calls == [layer.self_attn.k_cache.data_ptr() for layer in layers]
+    assert torch.equal(hooked, our_logits(llm, ids))
+    assert not torch.equal(hooked, our_logits(llm, ids, lambda q, *rest: torch.zeros_like(q)))

@@ -69,8 +69,9 @@ def hf_model(path: str) -> Any:
 
 
 @torch.inference_mode()
-def our_logits(llm: Any, token_ids: list[int]) -> torch.Tensor:
-    """Logits at every position of one sequence, through our model and a scratch block table."""
+def our_logits(llm: Any, token_ids: list[int], attention: Any = None) -> torch.Tensor:
+    """Logits at every position of one sequence, through our model and a scratch block table (attention: what
+    computes attention instead of ops.paged_attention, as AttentionMetadata.attention)."""
     engine = llm.llm_engine
     runner = engine.engine_core.model_runner
     bs = runner.block_size
@@ -84,7 +85,7 @@ def our_logits(llm: Any, token_ids: list[int]) -> torch.Tensor:
         context_lens=torch.tensor([n], dtype=torch.int32, device=device),
         block_tables=torch.tensor([blocks], dtype=torch.int32, device=device),
         slot_mapping=torch.arange(n, device=device),
-        max_query_len=n, max_context_len=n)
+        max_query_len=n, max_context_len=n, attention=attention)
     ids = torch.tensor(token_ids, device=device)
     hidden = runner.model(ids, torch.arange(n, device=device), meta)
     return runner.model.compute_logits(hidden).float()
