@@ -1,8 +1,9 @@
 # On the H200 device: the wheels in .whl (carry: [".whl"]) are the server's packages the device lacks:
-# fastapi 0.165.0, starlette 1.10.0, uvicorn 0.55.0, pydantic 2.14.4, pydantic_core 2.50.5 (cp312), annotated-types
-# 0.8.0, annotated-doc 0.0.7, typing-inspection 0.4.5, typing_extensions 4.16.0 (pydantic needs >= 4.16), anyio
-# 4.16.0, opentelemetry-api 1.45.2 (fastapi imports it); click, h11, httpx, httpcore, idna, prometheus_client and
-# numpy are the device's own. The command (COMMIT: the commit measured, the tree travels without its .git):
+# fastapi 0.165.0, starlette 1.10.0, uvicorn 0.55.0, httptools 0.9.0 (cp312), pydantic 2.14.4, pydantic_core 2.50.5
+# (cp312), annotated-types 0.8.0, annotated-doc 0.0.7, typing-inspection 0.4.5, typing_extensions 4.16.0 (pydantic
+# needs >= 4.16), anyio 4.16.0, opentelemetry-api 1.45.2 (fastapi imports it), and py-spy 0.4.3 for --profile;
+# click, h11, httpx, aiohttp, uvloop, idna, prometheus_client and numpy are the device's own. The command (COMMIT:
+# the commit measured, the tree travels without its .git):
 # python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; PYTHONUNBUFFERED=1 TINYVLLM_COMMIT=COMMIT python3 benchmarks/serve.py --json $OUT/serve.json --server-log $OUT/server.log  # noqa: E501
 """serve (issue 5): `tinyvllm serve` under load: TTFT, TPOT and ITL at concurrency 1, 16, 64 and 256.
 
