@@ -185,6 +185,7 @@ def test_completion_streamed_equals_unstreamed(live, offline):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == response.usage.completion_tokens
+    assert len({c.created for c in chunks}) == 1  # one creation time for the whole stream, as OpenAI's
 
 
 def test_chat_streamed_equals_unstreamed(live, offline):
@@ -532,32 +533,3 @@ def test_graceful_shutdown_on_sigterm(live):
     assert live.process.wait(timeout=15) == 0, live.log()
     assert time.time() - start < 15
 
-
-def test_chunk_encoder_writes_what_the_models_write():
-    """The streams' fast chunks (ChunkEncoder) are byte for byte the pydantic models' JSON, for any text."""
-    import random
-
-    from tinyvllm.entrypoints.openai.protocol import (
-        ChatCompletionChunk,
-        ChatStreamChoice,
-        CompletionChoice,
-        CompletionResponse,
-        DeltaMessage,
-    )
-    from tinyvllm.entrypoints.openai.serving import ChunkEncoder
-
-    rng = random.Random(0)
-    alphabet = 'ab "\\/\n\t\r\b\f\x00\x1f\x7f é漢😀\u2028</>'
-    completion = ChunkEncoder(CompletionResponse(id="cmpl-1", model="m/ü\"x", choices=[]))
-    chat = ChunkEncoder(ChatCompletionChunk(id="chatcmpl-1", model="m", choices=[]))
-    for _ in range(300):
-        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
-        index = rng.randint(0, 3)
-        finish, stop = rng.choice([(None, None), ("length", None), ("stop", 2), ("stop", text or "x")])
-        assert completion.completion(index, text, finish, stop) == CompletionResponse(
-            id="cmpl-1", created=completion.created, model="m/ü\"x", choices=[CompletionChoice(
-                index=index, text=text, finish_reason=finish, stop_reason=stop)]).model_dump_json()
-        assert chat.chat(index, text, finish, stop) == ChatCompletionChunk(
-            id="chatcmpl-1", created=chat.created, model="m", choices=[ChatStreamChoice(
-                index=index, delta=DeltaMessage(content=text), finish_reason=finish,
-                stop_reason=stop)]).model_dump_json()

@@ -9,6 +9,7 @@ runner keeps its own per-sequence state from these messages (worker/input_batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tinyvllm.outputs import Logprob
 from tinyvllm.sampling_params import SamplingParams
@@ -84,8 +85,7 @@ class EngineCoreOutputs:
         self.request_ids += other.request_ids
         self.indexes += other.indexes
         self.token_ids += other.token_ids
-        for mine, theirs in ((self.finished, other.finished), (self.logprobs, other.logprobs),
-                             (self.first, other.first)):
+        for mine, theirs in zip(self._sparse(), other._sparse()):
             for entry, value in theirs.items():
                 mine[entry + offset] = value
 
@@ -93,12 +93,15 @@ class EngineCoreOutputs:
         """The given entries (in that order) as outputs of their own: one API process's share of a step."""
         out = EngineCoreOutputs([self.request_ids[e] for e in entries], [self.indexes[e] for e in entries],
                                 [self.token_ids[e] for e in entries])
-        for mine, theirs in ((out.finished, self.finished), (out.logprobs, self.logprobs), (out.first, self.first)):
+        for mine, theirs in zip(out._sparse(), self._sparse()):
             if theirs:
                 for new, old in enumerate(entries):
                     if old in theirs:
                         mine[new] = theirs[old]
         return out
+
+    def _sparse(self) -> tuple[dict[int, Any], dict[int, Any], dict[int, Any]]:
+        return self.finished, self.logprobs, self.first
 
     def add(self, request_id: str, index: int, token_id: int) -> int:
         """Append an entry; its position, for the sparse columns."""

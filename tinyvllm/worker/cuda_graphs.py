@@ -77,7 +77,7 @@ class _Pieces:
     and output buffer attention[i] holds; output is the hidden states the last graph writes (pool memory that
     the next replay of any graph overwrites: read it before then). Each count keeps its own query (a view of
     its QKV product) and output per layer: for the 1B model about 10 KB per token row per layer, some 2 GB over
-    the ladder, on top of what the KV cache was sized to leave free."""
+    the ladder by our count (not measured), on top of what the KV cache was sized to leave free."""
 
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
     attention: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor]] = field(default_factory=list)

@@ -9,7 +9,6 @@ event loop; the async half queues the engine requests and answers, on the event 
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -29,7 +28,6 @@ from tinyvllm.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
     PromptTokensDetails,
-    ResponseFields,
     SamplingFields,
     TokenizeRequest,
     TokenizeResponse,
@@ -95,32 +93,6 @@ class EventStream(StreamingResponse):
         finally:
             self._stream.abort()
             self._tracker.close()
-
-
-_dumps = functools.partial(json.dumps, ensure_ascii=False)  # (as pydantic writes JSON: UTF-8, not \u escapes)
-
-
-class ChunkEncoder:
-    """A stream's chunks as JSON text. The envelope around the choices (id, object, created, model) is the
-    pydantic model's, rendered once per stream; a chunk of one plain choice (its text, finish and stop reason:
-    no logprobs, no usage) is then written with json.dumps, several times cheaper per token than building and
-    dumping the models (tests/test_server.py checks the two agree). Every other chunk goes through the models."""
-
-    def __init__(self, envelope: ResponseFields) -> None:
-        """envelope: the stream's response model with no choices and no usage."""
-        self.created = envelope.created
-        head, tail = envelope.model_dump_json().split('"choices":[]')
-        self._head, self._tail = head + '"choices":[', "]" + tail
-
-    def completion(self, index: int, text: str, finish_reason: str | None, stop_reason: int | str | None) -> str:
-        """A CompletionResponse chunk of one CompletionChoice without logprobs."""
-        return (f'{self._head}{{"index":{index},"text":{_dumps(text)},"logprobs":null,"finish_reason":'
-                f'{_dumps(finish_reason)},"stop_reason":{_dumps(stop_reason)}}}{self._tail}')
-
-    def chat(self, index: int, content: str, finish_reason: str | None, stop_reason: int | str | None) -> str:
-        """A ChatCompletionChunk of one ChatStreamChoice whose delta is content only, without logprobs."""
-        return (f'{self._head}{{"index":{index},"delta":{{"role":null,"content":{_dumps(content)}}},"logprobs":null,'
-                f'"finish_reason":{_dumps(finish_reason)},"stop_reason":{_dumps(stop_reason)}}}{self._tail}')
 
 
 @dataclass

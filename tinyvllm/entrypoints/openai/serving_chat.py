@@ -4,6 +4,7 @@ for either is refused, rather than answered with free text."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -28,7 +29,6 @@ from tinyvllm.entrypoints.openai.protocol import (
 from tinyvllm.entrypoints.openai.serving import (
     APIError,
     Choice,
-    ChunkEncoder,
     EventStream,
     OpenAIServing,
     Prepared,
@@ -107,10 +107,10 @@ class OpenAIServingChat(OpenAIServing):
         completion_tokens = 0
         cached = 0
 
-        encoder = ChunkEncoder(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[]))
+        created = int(time.time())  # (one for every chunk of the stream, as OpenAI's)
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
-            return ChatCompletionChunk(id=request_id, created=encoder.created, model=self.model_name, choices=choices,
+            return ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices,
                                        usage=usage).model_dump_json()
 
         for index in range(n):
@@ -121,10 +121,6 @@ class OpenAIServingChat(OpenAIServing):
             for completion in output.outputs:
                 completion_tokens += len(completion.token_ids)
                 if not completion.text and completion.finish_reason is None and top_logprobs is None:
-                    continue
-                if top_logprobs is None and not continuous_usage:
-                    yield encoder.chat(completion.index, completion.text, completion.finish_reason,
-                                       completion.stop_reason)
                     continue
                 logprobs = None
                 if top_logprobs is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -19,7 +20,6 @@ from tinyvllm.entrypoints.openai.protocol import (
 from tinyvllm.entrypoints.openai.serving import (
     APIError,
     Choice,
-    ChunkEncoder,
     EventStream,
     OpenAIServing,
     Prepared,
@@ -78,7 +78,7 @@ class OpenAIServingCompletion(OpenAIServing):
         completion_tokens = 0
         cached: dict[str, int] = {}
         text_offsets = dict.fromkeys(choice_index.values(), 0)
-        encoder = ChunkEncoder(CompletionResponse(id=request_id, model=self.model_name, choices=[]))
+        created = int(time.time())  # (one for every chunk of the stream, as OpenAI's)
         async for output in stream:
             tracker.observe(output)
             cached[output.request_id] = output.num_cached_tokens
@@ -90,9 +90,6 @@ class OpenAIServingCompletion(OpenAIServing):
                 if not shows and completion.finish_reason is None and logprobs is None:
                     continue
                 index = choice_index[(output.request_id, completion.index)]
-                if logprobs is None and not continuous_usage:
-                    yield encoder.completion(index, completion.text, completion.finish_reason, completion.stop_reason)
-                    continue
                 choice_logprobs = None
                 if logprobs is not None:
                     choice_logprobs = completion_logprobs(completion.token_ids, completion.logprobs or [],
@@ -103,11 +100,11 @@ class OpenAIServingCompletion(OpenAIServing):
                                           stop_reason=completion.stop_reason)
                 usage = (usage_info(prompt_tokens, completion_tokens, sum(cached.values()))
                          if continuous_usage else None)
-                chunk = CompletionResponse(id=request_id, created=encoder.created, model=self.model_name,
-                                           choices=[choice], usage=usage)
+                chunk = CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[choice],
+                                           usage=usage)
                 yield chunk.model_dump_json()
         if include_usage:
-            chunk = CompletionResponse(id=request_id, created=encoder.created, model=self.model_name, choices=[],
+            chunk = CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[],
                                        usage=usage_info(prompt_tokens, completion_tokens, sum(cached.values())))
             yield chunk.model_dump_json()
 
