@@ -73,14 +73,12 @@ class CudaGraphs:
 
 @dataclass
 class _Pieces:
-    """One token count's capture: graphs[i] runs up to attention call i (graphs[-1] to the end), whose inputs
-    and output buffer attention[i] holds; output is the hidden states the last graph writes (pool memory that
-    the next replay of any graph overwrites: read it before then). Each count keeps its own query (a view of
-    its QKV product) and output per layer: for the 1B model about 10 KB per token row per layer, some 2 GB over
-    the ladder by our count (not measured), on top of what the KV cache was sized to leave free."""
+    """One token count's capture: graphs[i] runs up to attention call i (graphs[-1] to the end), whose KV
+    caches and scale attention[i] holds; output is the hidden states the last graph writes (pool memory,
+    overwritten by the next replay of any graph: read it before then)."""
 
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
-    attention: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor]] = field(default_factory=list)
+    attention: list[tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=list)
     output: torch.Tensor | None = None
 
 
@@ -102,6 +100,10 @@ class PiecewiseCudaGraphs:
         self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
         self.positions = torch.zeros(top, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((top,), -1, dtype=torch.int64, device=device)
+        # Attention's query and output, one pair shared by every layer and token count (pieces run one at a
+        # time): allocated in the first warm-up, when their shape is known.
+        self.query: torch.Tensor | None = None
+        self.attn_out: torch.Tensor | None = None
         self.pieces: dict[int, _Pieces] = {}
         self.pool = pool
         empty = torch.zeros(1, dtype=torch.int32, device=device)
@@ -112,12 +114,19 @@ class PiecewiseCudaGraphs:
                 """Only slot_mapping is read inside the pieces (by the K/V store); attention is `attention`."""
                 return AttentionMetadata(empty, empty, empty.view(1, 1), self.slot_mapping[:count], 1, 1, attention)
 
-            model(*args, meta(lambda q, *rest: torch.zeros_like(q)))  # warm-up: compiles outside the capture
+            model(*args, meta(self._warm_up_attention))  # compiles the kernels outside the capture
             self.pieces[count] = self._capture(model, args, meta)
         for pieces in self.pieces.values():
             for graph in pieces.graphs:
                 graph.replay()  # the first replay uploads the graph: pay for it now, not mid-run
         torch.cuda.synchronize()
+
+    def _warm_up_attention(self, q: torch.Tensor, *rest: object) -> torch.Tensor:
+        """Attention in the warm-up runs (the largest count first): allocates the query and output buffers."""
+        if self.query is None:
+            self.query = torch.empty((self.token_counts[-1], *q.shape[1:]), dtype=q.dtype, device=q.device)
+            self.attn_out = torch.empty_like(self.query)
+        return torch.zeros_like(q)
 
     def _capture(self, model: torch.nn.Module, args: tuple,
                  meta: Callable[[Callable[..., torch.Tensor]], AttentionMetadata]) -> _Pieces:
@@ -132,12 +141,14 @@ class PiecewiseCudaGraphs:
 
         def cut(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, _meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
+            count = q.shape[0]
+            assert self.query is not None and self.attn_out is not None and self.query.shape[1:] == q.shape[1:]
+            self.query[:count].copy_(q)  # (in the piece: the query it leaves for attention)
             pieces.graphs[-1].capture_end()
             self.pool = pieces.graphs[-1].pool()
-            out = torch.empty_like(q)  # (outside any capture: the buffer the next piece reads)
-            pieces.attention.append((q, k_cache, v_cache, scale, out))
+            pieces.attention.append((k_cache, v_cache, scale))
             begin()
-            return out
+            return self.attn_out[:count]
 
         with torch.cuda.stream(stream):
             begin()
@@ -159,9 +170,10 @@ class PiecewiseCudaGraphs:
         self.slot_mapping[:n] = meta.slot_mapping
         self.slot_mapping[n:count] = -1
         pieces = self.pieces[count]
-        for graph, (q, k_cache, v_cache, scale, out) in zip(pieces.graphs, pieces.attention):
+        assert self.query is not None and self.attn_out is not None
+        for graph, (k_cache, v_cache, scale) in zip(pieces.graphs, pieces.attention):
             graph.replay()
-            out[:n] = ops.paged_attention(q[:n], k_cache, v_cache, meta, scale)
+            self.attn_out[:n] = ops.paged_attention(self.query[:n], k_cache, v_cache, meta, scale)
         pieces.graphs[-1].replay()
         assert pieces.output is not None
         return pieces.output[:n]
