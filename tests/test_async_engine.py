@@ -2,7 +2,6 @@
 when several steps are read at once) and RequestStream, which merges the deltas its reader has not taken yet."""
 
 import asyncio
-import queue
 
 import pytest
 
@@ -17,11 +16,14 @@ class _Engine:
     """What a RequestStream asks of its AsyncLLMEngine."""
 
     def __init__(self) -> None:
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self.forgotten: list[str] = []
+        self.aborted: list[str] = []
 
     def _forget(self, request_ids: list[str]) -> None:
         self.forgotten += request_ids
+
+    def _abort(self, request_ids: list[str]) -> None:
+        self.aborted += request_ids
 
 
 def _delta(request_id: str, tokens: list[int], text: str, finish: str | None = None) -> RequestOutput:

@@ -119,7 +119,7 @@ def serve(log_dir: Path, *args: str) -> Iterator[Server]:
 def server(tmp_path_factory):
     with serve(tmp_path_factory.mktemp("server"), "--api-key", API_KEY, "--num-kv-blocks", "512",
                "--max-num-seqs", "64", "--log-level", "warning",
-               # as on a GPU, where it is the default: the engine thread launches step N+1 before reading step N
+               # as on a GPU, where it is the default: the engine core launches step N+1 before reading step N
                "--async-scheduling") as srv:
         yield srv
 

@@ -1,30 +1,27 @@
-"""AsyncLLMEngine: the engine behind an asyncio server.
+"""AsyncLLMEngine: the engine behind an asyncio server, driven by the event loop itself (as vLLM V1's AsyncLLM).
 
-One thread owns the LLMEngine. Between steps it takes the commands that have arrived (add, abort) from a
-queue, then runs the blocking `step()`; so the engine is never touched by two threads at once, and the
-event loop never waits on a forward pass (with the server's engine core in a process of its own, step()
-waits for that process's next step and turns its tokens into RequestOutputs). Outputs go back to the event
-loop once per step (one `call_soon_threadsafe`), where each lands in the RequestStream that asked for it,
-merged with any earlier one its reader has not taken yet.
+The engine core (scheduler and model steps) runs in a process of its own (engine/core_client.py); this process
+keeps the input and output processing. Requests go to the core from the event loop as they come (a pipe
+message each), and the loop reads the core's pipe whenever it is readable (add_reader): a message is one step's
+tokens for every request, which the output processor turns into RequestOutputs (detokenized, stop strings
+checked); each lands in the RequestStream that asked for it, merged with any earlier one its reader has not
+taken yet. No thread stands between the loop and the core: a hand-off between two threads of one process
+waits for the GIL, up to a millisecond per hop on our machines (benchmarks/RESULTS.md).
 
-    add_requests() --_Add--> command queue --> engine thread: add_request / abort_request / step()
-         ^                                                         |
-         +-- RequestStream (merged deltas) <-- call_soon_threadsafe(deliver, outputs) --+
+    add_requests() --pipe--> engine core process --pipe--> _on_core_output(): OutputProcessor -> RequestStream
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
 import logging
-import queue
 import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from tinyvllm.config import EngineConfig
-from tinyvllm.engine.core_client import EngineCoreDeadError
+from tinyvllm.engine.core_client import EngineCoreClient, EngineCoreDeadError
 from tinyvllm.engine.input_processor import InputProcessor, ProcessedInput, PromptType
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.outputs import RequestOutput
@@ -34,32 +31,11 @@ logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (shut down, or crashed): no request can be served."""
+    """The engine has stopped (shut down, or its core process died): no request can be served."""
 
 
 class RequestAbortedError(RuntimeError):
     """The server aborted the request (it is shutting down, or the engine failed) before it finished."""
-
-
-@dataclasses.dataclass
-class _Add:
-    request_id: str
-    processed: ProcessedInput
-    future: asyncio.Future[None]
-
-
-@dataclasses.dataclass
-class _Abort:
-    request_ids: list[str]
-
-
-@dataclasses.dataclass
-class _AbortAll:
-    reason: str
-
-
-class _Stop:
-    pass
 
 
 class RequestStream:
@@ -110,7 +86,7 @@ class RequestStream:
             ids = list(self._unfinished)
             self._unfinished.clear()
             self._engine._forget(ids)
-            self._engine._commands.put(_Abort(ids))
+            self._engine._abort(ids)
 
     def _put(self, output: RequestOutput) -> None:
         pending = self._pending.get(output.request_id)
@@ -130,44 +106,43 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    """Streams RequestOutputs with output_kind="delta" (each carries only what is new) to asyncio code."""
+    """Streams RequestOutputs with output_kind="delta" (each carries only what is new) to asyncio code. Everything
+    but shutdown() runs on the event loop that start() was called from."""
 
     def __init__(self, engine: LLMEngine) -> None:
+        if not isinstance(engine.engine_core, EngineCoreClient):
+            raise ValueError("AsyncLLMEngine needs the engine core in a process of its own (core_process=True)")
         self.engine = engine
-        # A private copy, so that the server can tokenize and render chat templates on its side while the
-        # engine thread detokenizes with its own (a fast tokenizer is not safe to share).
+        self._core: EngineCoreClient = engine.engine_core
+        # A private copy for the server's input thread, which tokenizes and renders chat templates while the
+        # event loop detokenizes with the engine's own (a fast tokenizer is not safe to share).
         self.tokenizer: Any = copy.deepcopy(engine.tokenizer)
         ip = engine.input_processor
         self.input_processor = InputProcessor(self.tokenizer, ip.vocab_size, ip.max_model_len, ip.kv_capacity_tokens)
         self.model_path = engine.model_path
         self.max_model_len = engine.max_model_len
         self.model_config = engine.model_config
-        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        # Touched on the event loop only: whose outputs go where, and the adds not yet confirmed.
-        self._streams: dict[str, RequestStream] = {}
-        self._pending_adds: dict[str, asyncio.Future[None]] = {}
+        self._streams: dict[str, RequestStream] = {}  # whose outputs go where
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stats: dict[str, float] = engine.get_stats()
+        self._loop_thread: int | None = None
         self._accepting = True
+        self._closed = False
         self.dead_reason: str | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig, core_process: bool = True,
-                    core_connection: Any = None) -> AsyncLLMEngine:
-        """core_process: the engine core in a process of its own (engine/core_client.py), so that model steps
-        never wait for this process's event loop; False keeps it on the engine thread. core_connection: a core
-        that another process started, shared with other API servers."""
-        return cls(LLMEngine(config, core_process=core_process, core_connection=core_connection))
+    def from_config(cls, config: EngineConfig, core_connection: Any = None) -> AsyncLLMEngine:
+        """Start the engine core in a process of its own, or (core_connection) use one that another process
+        started for several API servers."""
+        return cls(LLMEngine(config, core_process=True, core_connection=core_connection))
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the engine thread; outputs are delivered on the event loop this is called from."""
-        if self._thread is not None:
+        """Read the engine core's outputs on the running event loop, and deliver them there."""
+        if self._loop is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="tinyvllm-engine", daemon=True)
-        self._thread.start()
+        self._loop_thread = threading.get_ident()
+        self._loop.add_reader(self._core.fileno(), self._on_core_output)
 
     @property
     def accepting(self) -> bool:
@@ -176,31 +151,66 @@ class AsyncLLMEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.dead_reason is None
+        return self._loop is not None and not self._closed and self.dead_reason is None
 
     def stop_accepting(self, reason: str = "the server is shutting down") -> None:
-        """Refuse new requests and abort those in flight. Safe in a signal handler: it only sets a flag
-        and puts a command on a queue."""
+        """Refuse new requests and abort those in flight. Safe in a signal handler: it sets a flag and leaves
+        the aborts to the event loop."""
         self._accepting = False
-        self._commands.put(_AbortAll(reason))
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._abort_all, reason)
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Abort everything and stop the engine thread (after the step it is in, if any)."""
+        """Abort everything and stop the engine core (once its last API server has gone, if it is shared).
+        Callable from any thread: the event loop's part runs on the loop."""
         self._accepting = False
-        thread = self._thread
-        if thread is None or not thread.is_alive():
+        loop = self._loop
+        if loop is not None and loop.is_running() and threading.get_ident() != self._loop_thread:
+            try:
+                asyncio.run_coroutine_threadsafe(self._close_on_loop(), loop).result(timeout)
+            except Exception:  # (the loop stopped meanwhile, or took too long: the core stops regardless)
+                logger.exception("closing the engine on its event loop failed")
+        else:
+            self._close()
+        self.engine.shutdown()
+
+    async def _close_on_loop(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        """Fail what is in flight and stop reading the core (on the event loop, or with none running)."""
+        if self._closed:
             return
-        self._commands.put(_AbortAll("the server is shutting down"))
-        self._commands.put(_Stop())
-        thread.join(timeout)
-        if thread.is_alive():
-            logger.warning("the engine thread did not stop within %.0f s", timeout)
+        self._closed = True
+        if self.dead_reason is None:
+            self._abort_all("the server is shutting down")
+        self.dead_reason = self.dead_reason or "the engine stopped"
+        self._stop_reading()
+        self._fail(list(self._streams), EngineDeadError(self.dead_reason))
+
+    def _stop_reading(self) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.remove_reader(self._core.fileno())
+            except (OSError, ValueError):  # (the connection is closed already)
+                pass
+
+    def _die(self, error: EngineCoreDeadError) -> None:
+        """The engine core is gone: fail everything; the server answers 503 and exits (api_server.py)."""
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = f"{type(error).__name__}: {error}"
+        logger.error("the engine core died: %s", error)
+        self._stop_reading()
+        self._fail(list(self._streams), EngineDeadError(self.dead_reason))
 
     # ---- requests ---------------------------------------------------------------------------------
     async def add_requests(self, requests: Sequence[tuple[str, ProcessedInput]]) -> RequestStream:
-        """Queue requests (request_id, input checked by self.input_processor) and return the stream of their
-        outputs. If the engine refuses any of them (ValueError), none is kept and the error is raised here,
-        before any output."""
+        """Send requests (request_id, input checked by self.input_processor) to the engine core and return the
+        stream of their outputs. If the engine refuses any of them (ValueError), none is kept and the error is
+        raised here, before any output."""
         if not self._accepting:
             raise EngineDeadError("the server is shutting down")
         if not self.is_running:
@@ -208,27 +218,20 @@ class AsyncLLMEngine:
         ids = [request_id for request_id, _ in requests]
         if len(set(ids)) != len(ids) or any(i in self._streams for i in ids):
             raise ValueError("request ids must be unique")
-        assert self._loop is not None
         stream = RequestStream(self, ids)
-        futures = []
-        for request_id, processed in requests:  # no await in this loop: see _fail_all
-            future = self._loop.create_future()
-            self._streams[request_id] = stream
-            self._pending_adds[request_id] = future
-            futures.append(future)
-            self._commands.put(_Add(request_id, processed, future))
+        added: list[str] = []
         try:
-            results = await asyncio.gather(*futures, return_exceptions=True)
-        except BaseException:  # cancelled: the client went away while we waited
-            stream.abort()
+            for request_id, processed in requests:
+                self.engine.add_processed_request(request_id, processed, output_kind="delta")
+                added.append(request_id)
+                self._streams[request_id] = stream
+        except EngineCoreDeadError as e:
+            self._die(e)
+            raise EngineDeadError(self.dead_reason) from e
+        except BaseException:
+            self._forget(added)
+            self._abort(added)
             raise
-        finally:
-            for request_id in ids:
-                self._pending_adds.pop(request_id, None)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            stream.abort()
-            raise errors[0]
         return stream
 
     async def generate(self, request_id: str, prompt: PromptType,
@@ -248,11 +251,11 @@ class AsyncLLMEngine:
         if stream is not None:
             stream.abort()
         else:
-            self._commands.put(_Abort([request_id]))
+            self._abort([request_id])
 
     def get_stats(self) -> dict[str, float]:
-        """The engine's counters and gauges as of its latest step."""
-        return dict(self._stats)
+        """The engine's counters and gauges as of the core's latest message."""
+        return self._core.stats
 
     @property
     def num_active_requests(self) -> int:
@@ -262,96 +265,39 @@ class AsyncLLMEngine:
         for request_id in request_ids:
             self._streams.pop(request_id, None)
 
-    # ---- the engine thread ------------------------------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
+    def _abort(self, request_ids: list[str]) -> None:
+        if self.dead_reason is not None:
+            return  # (nothing runs any more)
         try:
-            while True:
-                block = not engine.has_unfinished_requests()  # idle: sleep until a command arrives
-                while True:
-                    try:
-                        command = self._commands.get(block=block, timeout=0.25 if block else None)
-                    except queue.Empty:
-                        self._stats = engine.get_stats()  # (idle: the figures of the last step may move on)
-                        break
-                    if isinstance(command, _Stop):
-                        self._abort_all("the engine stopped")
-                        return
-                    self._handle(command)
-                    block = False
-                if not engine.has_unfinished_requests():
-                    continue
-                try:
-                    outputs = engine.step()
-                except EngineCoreDeadError:
-                    raise  # nothing can be served any more: the thread ends, the server answers 503 and exits
-                except Exception as e:  # an engine bug: fail what is in flight, keep serving
-                    logger.exception("engine step failed")
-                    self._abort_all(f"the engine failed: {type(e).__name__}: {e}")
-                    continue
-                for output in outputs:  # freeze the timings that the event loop will read
-                    if output.metrics is not None:
-                        output.metrics = copy.copy(output.metrics)
-                self._stats = engine.get_stats()
-                if outputs:
-                    self._post(self._deliver, outputs)
-        except BaseException as e:
-            self.dead_reason = f"{type(e).__name__}: {e}"
-            logger.exception("the engine thread died")
-        finally:
-            self.dead_reason = self.dead_reason or "the engine stopped"
-            self._post(self._fail_all, EngineDeadError(self.dead_reason))
-            try:
-                self._stats = engine.get_stats()
-            except EngineCoreDeadError:
-                pass  # (the figures of its last message stay)
-            except Exception:
-                logger.exception("reading the engine's last figures failed")
-            try:
-                engine.shutdown()  # (tensor-parallel workers)
-            except Exception:
-                logger.exception("stopping the tensor-parallel workers failed")
-
-    def _handle(self, command: Any) -> None:
-        engine = self.engine
-        if isinstance(command, _Add):
-            try:
-                engine.add_processed_request(command.request_id, command.processed, output_kind="delta")
-            except EngineCoreDeadError:
-                raise
-            except Exception as e:
-                self._post(_set_exception, command.future, e)
-            else:
-                self._post(_set_result, command.future)
-        elif isinstance(command, _Abort):
-            for request_id in command.request_ids:
-                engine.abort_request(request_id)
-        elif isinstance(command, _AbortAll):
-            self._abort_all(command.reason)
-        self._stats = engine.get_stats()
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+        except EngineCoreDeadError as e:
+            self._die(e)
 
     def _abort_all(self, reason: str) -> None:
         ids = list(self.engine.output_processor.requests)
-        for request_id in ids:
-            self.engine.abort_request(request_id)
+        self._abort(ids)
         if ids:
-            self._post(self._fail, ids, RequestAbortedError(reason))
+            self._fail(ids, RequestAbortedError(reason))
 
-    def _post(self, callback: Any, *args: Any) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
+    # ---- outputs, on the event loop ---------------------------------------------------------------
+    def _on_core_output(self) -> None:
+        """The core's pipe is readable: every message there, through the output processor, to the streams."""
         try:
-            loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:  # the loop closed meanwhile
-            pass
-
-    # ---- on the event loop ------------------------------------------------------------------------
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+            outputs = self.engine.process_outputs(self._core.take_outputs())
+        except EngineCoreDeadError as e:
+            self._die(e)
+            return
+        except Exception as e:  # an engine bug: fail what is in flight, keep serving
+            logger.exception("processing the engine's outputs failed")
+            self._abort_all(f"the engine failed: {type(e).__name__}: {e}")
+            return
         streams = self._streams
         for output in outputs:
             stream = streams.get(output.request_id)
             if stream is not None:
+                if output.metrics is not None:  # (freeze the timings: later steps update the request's own)
+                    output.metrics = copy.copy(output.metrics)
                 stream._put(output)
 
     def _fail(self, request_ids: list[str], error: BaseException) -> None:
@@ -360,19 +306,4 @@ class AsyncLLMEngine:
             if stream is not None:
                 stream._fail(request_id, error)
 
-    def _fail_all(self, error: BaseException) -> None:
-        """The engine thread is gone: fail every add still waiting and every stream still open. (An add
-        registered after this ran sees is_running False first, since both run on the event loop.)"""
-        for future in self._pending_adds.values():
-            _set_exception(future, error)
-        self._fail(list(self._streams), error)
 
-
-def _set_result(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-def _set_exception(future: asyncio.Future[None], error: BaseException) -> None:
-    if not future.done():
-        future.set_exception(error)

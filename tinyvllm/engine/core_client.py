@@ -215,8 +215,24 @@ class EngineCoreClient:
 
     def get_stats(self) -> dict[str, float]:
         """The core's figures as of the last message it sent (reading any that arrived). EngineCoreDeadError
-        once the core is gone: the server's engine thread asks while idle, which is how it notices."""
+        once the core is gone."""
         self._drain()
+        return dict(self._stats)
+
+    # ---- for an event loop that reads the pipe when it is readable (AsyncLLMEngine) ------------------
+    def fileno(self) -> int:
+        return self._conn.fileno()
+
+    def take_outputs(self) -> EngineCoreOutputs:
+        """Every message waiting, without blocking: the outputs of the steps among them, concatenated (empty if
+        they held figures only). EngineCoreDeadError at the end of the pipe (the core is gone)."""
+        self._drain()
+        outputs, self._outputs = self._outputs, None
+        return outputs if outputs is not None else EngineCoreOutputs()
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """The figures of the last message read, without reading the pipe."""
         return dict(self._stats)
 
     def _drain(self) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.contract import EngineCoreOutputs
 from tinyvllm.engine.core_client import EngineCoreClient
 from tinyvllm.engine.engine_core import EngineCore, StepCallback
 from tinyvllm.engine.input_processor import InputProcessor, ProcessedInput, PromptType
@@ -114,7 +115,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step (with async scheduling: launch the next and finish the one in flight); the outputs
         of the requests that got new tokens."""
-        outputs, stopped = self.output_processor.process(self.engine_core.step())
+        return self.process_outputs(self.engine_core.step())
+
+    def process_outputs(self, core_outputs: EngineCoreOutputs) -> list[RequestOutput]:
+        """The RequestOutputs of the engine core's outputs (of one step or several); completions that a stop
+        string ended are finished in the core."""
+        outputs, stopped = self.output_processor.process(core_outputs)
         for request_id, index, stop in stopped:
             self.engine_core.finish_sequence(request_id, index, "stop", stop)
         return outputs

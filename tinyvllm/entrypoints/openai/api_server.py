@@ -185,7 +185,7 @@ def parse_body(raw: bytes, model: type[BodyT]) -> BodyT:
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None, *, max_body_mb: float,
               access_log: bool = True) -> FastAPI:
-    """The FastAPI app. Its lifespan starts the engine thread and stops it on shutdown."""
+    """The FastAPI app. Its lifespan starts reading the engine core's outputs and stops the engine on shutdown."""
     metrics = ServerMetrics(engine, served_model_name)
     server = OpenAIServing(engine, served_model_name, metrics)  # /v1/models, /tokenize, /detokenize
     completion = OpenAIServingCompletion(engine, served_model_name, metrics)
