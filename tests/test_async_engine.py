@@ -103,3 +103,62 @@ def test_the_output_processor_gives_one_delta_per_request_for_several_steps():
     assert [(r.request_id, r.outputs[0].token_ids, r.outputs[0].finish_reason, r.finished) for r in results] == [
         ("a", [97, 197, 297], "length", True), ("b", [98, 198, 298], "length", True)]
     assert results[0].outputs[0].cumulative_logprob == -3.0 and results[0].metrics.first_scheduled_time == 0.5
+
+
+def test_a_large_core_message_that_arrives_in_pieces_is_read_whole_on_uvloop(tiny_text_checkpoint):
+    """The event loop reads the core's pipe when it is readable; uvloop makes that descriptor non-blocking, so a
+    message whose first bytes are there and whose rest comes later must still be read whole, not taken for the
+    core's death. Here the test plays the core: it answers a request with a ~1 MB message sent in two parts."""
+    import multiprocessing
+    import pickle
+    import socket
+    import struct
+    import threading
+    import time
+
+    import uvloop
+
+    from tinyvllm.config import EngineConfig
+    from tinyvllm.engine.async_engine import AsyncLLMEngine
+    from tinyvllm.engine.llm_engine import LLMEngine
+
+    server_end, core_end = multiprocessing.Pipe()
+    stats = {"num_requests_running": 0.0}
+
+    def core() -> None:
+        core_end.send(("ready", 4096, stats))
+        command, request_id, *_ = core_end.recv()
+        assert command == "add_request"
+        outputs = EngineCoreOutputs()
+        outputs.finished[outputs.add(request_id, 0, 42)] = ("length", None)
+        payload = pickle.dumps(("outputs", outputs, {**stats, **{f"padding{i}": 0.0 for i in range(40_000)}}))
+        wire = struct.pack("!i", len(payload)) + payload  # (multiprocessing.Connection's framing)
+        sock = socket.socket(fileno=core_end.fileno())
+        try:
+            sock.sendall(wire[: len(wire) // 2])
+            time.sleep(0.3)
+            sock.sendall(wire[len(wire) // 2:])
+        finally:
+            sock.detach()
+        try:
+            core_end.recv()  # until the API side stops the core or closes its end
+        except EOFError:
+            pass
+
+    thread = threading.Thread(target=core, daemon=True)
+    thread.start()
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(model=tiny_text_checkpoint, device="cpu"),
+                                      core_connection=server_end))
+
+    async def run() -> list[int]:
+        engine.start()
+        processed = engine.input_processor.process([1, 2, 3], SamplingParams(max_tokens=1), decode_prompt=False)
+        stream = await engine.add_requests([("big", processed)])
+        return [token for output in [o async for o in stream] for token in output.outputs[0].token_ids]
+
+    try:
+        assert uvloop.run(run()) == [42]
+        assert engine.dead_reason is None and len(engine.get_stats()) > 40_000
+    finally:
+        engine.shutdown()
+        thread.join(5)

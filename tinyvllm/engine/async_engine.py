@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import os
 import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -142,7 +143,11 @@ class AsyncLLMEngine:
             return
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
-        self._loop.add_reader(self._core.fileno(), self._on_core_output)
+        fd = self._core.fileno()
+        self._loop.add_reader(fd, self._on_core_output)
+        # uvloop's add_reader makes the descriptor non-blocking; a message is read whole once its first bytes
+        # are there, so a large one that arrives in pieces must block until its last, not fail.
+        os.set_blocking(fd, True)
 
     @property
     def accepting(self) -> bool:

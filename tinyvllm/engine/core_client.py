@@ -283,8 +283,10 @@ class EngineCoreClient:
                 raise EngineCoreDeadError(f"the engine core sent nothing for {timeout:.0f} s")
         try:
             return self._conn.recv()
-        except (EOFError, OSError) as e:
+        except EOFError as e:
             raise EngineCoreDeadError(self._death()) from e
+        except OSError as e:
+            raise EngineCoreDeadError(f"reading from the engine core failed: {e!r}") from e
 
     def _check_alive(self) -> None:
         dead = self._conn.closed or (self.process is not None and not self.process.is_alive())
