@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from tests.utils import tiny_llama_fixture, tiny_llm  # noqa: E402
+from tests.utils import save_tiny_llama, tiny_llm  # noqa: E402
 from tinyvllm import SamplingParams  # noqa: E402
 from tinyvllm.contract import NewSequence, SchedulerOutput  # noqa: E402
 from tinyvllm.ops import AttentionMetadata  # noqa: E402
@@ -154,7 +154,11 @@ def test_common_prefix_len() -> None:
     assert common_prefix_len(tables[:1], np.array([80]), 16) == 64
 
 
-checkpoint = tiny_llama_fixture(seed=11)
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Llama whose context holds prompts past cascade attention's threshold, whatever it is tuned to."""
+    return save_tiny_llama(str(tmp_path_factory.mktemp("tiny")), seed=11,
+                           max_position_embeddings=max(512, 2 * CASCADE_MIN_PREFIX_TOKENS + 128))
 
 
 def _new_seq(seq_id: int, context_len: int, block_ids: list[int]) -> NewSequence:

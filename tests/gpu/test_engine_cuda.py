@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tests.utils import CUDA_ONLY, our_logits, random_llama_1b, relative_error, run_python
+from tinyvllm.ops.cascade_attention import CASCADE_MIN_PREFIX_TOKENS, CASCADE_MIN_SEQS
 
 pytestmark = CUDA_ONLY
 
@@ -201,10 +202,14 @@ def test_greedy_bfloat16_paths_reported(greedy_runs: GreedyRuns, pair: tuple[str
 
 # ------------------------------------------------------------------------------ cascade attention, on and off
 
-# Requests sharing a 320-token prefix (cached by a first request, as on a server): their decode steps, at 8 to
-# 12 sequences, go through cascade attention when it is on, in the CUDA graphs captured with it.
-SHARED_PREFIX = [(j * 53) % 10000 for j in range(320)]
-SHARED_PROMPTS = [SHARED_PREFIX + [(i * 97 + j * 13) % 10000 for j in range(8 + 3 * i)] for i in range(13)]
+# Requests sharing a prefix 64 tokens past cascade attention's threshold (cached by a first request, as on a
+# server), as many as its threshold and 4 more: their decode steps go through cascade attention when it is on,
+# in the CUDA graphs captured with it.
+SHARED_PREFIX = [(j * 53) % 10000 for j in range(CASCADE_MIN_PREFIX_TOKENS + 64)]
+SHARED_PROMPTS = [SHARED_PREFIX + [(i * 97 + j * 13) % 10000 for j in range(8 + 3 * i)]
+                  for i in range(CASCADE_MIN_SEQS + 5)]
+SHARED_ENGINE_ARGS = {**ENGINE_ARGS, "max_num_seqs": max(16, len(SHARED_PROMPTS)),
+                      "max_model_len": max(2048, len(SHARED_PROMPTS[-1]) + NUM_TOKENS)}
 
 GENERATE_SHARED = r"""
 import json, sys
@@ -236,8 +241,8 @@ def cascade_runs(llama_1b: str) -> dict[tuple[str, bool], dict[str, Any]]:
     runs = {}
     for dtype in ("float32", "bfloat16"):
         for cascade in (True, False):
-            result = run_python(GENERATE_SHARED, [llama_1b, dtype, cascade, NUM_TOKENS, SHARED_PROMPTS, ENGINE_ARGS],
-                                dict(os.environ), 600)
+            result = run_python(GENERATE_SHARED, [llama_1b, dtype, cascade, NUM_TOKENS, SHARED_PROMPTS,
+                                                  SHARED_ENGINE_ARGS], dict(os.environ), 600)
             if isinstance(result, str):
                 pytest.fail(f"shared-prefix greedy run, cascade {'on' if cascade else 'off'} ({dtype}) failed:\n"
                             f"{result}")
