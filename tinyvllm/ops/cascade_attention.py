@@ -40,9 +40,9 @@ try:
 except ImportError:  # the CPU engine uses the references on machines without Triton
     triton = None
 
-# When cascade attention pays (tuned on the GPU: benchmarks/bench_kernels.py --cascade): a prefix shorter than
-# this many tokens costs the plain kernel little to read per sequence, and below this many sequences the
-# prefix pass's extra launch and partial results outweigh the reads it saves.
+# When cascade attention pays (to tune on the GPU: benchmarks/bench_kernels.py --cascade, shared_prefix.py
+# --cascade-off): a prefix shorter than this many tokens costs the plain kernel little to read per sequence, and
+# below this many sequences the prefix pass's extra launch and partial results outweigh the reads it saves.
 CASCADE_MIN_PREFIX_TOKENS = 256
 CASCADE_MIN_SEQS = 8
 
@@ -218,7 +218,7 @@ PrefixConfig = tuple[int, int, int]
 
 # The prefix pass aims at this many programs (KV heads x row tiles x prefix splits): enough to spread a prefix
 # over the GPU at small batches, while each split adds a partial result per (sequence, head) row to write and
-# merge. The GPU sweep tunes these (benchmarks/bench_kernels.py --cascade).
+# merge. The GPU sweep tunes these (benchmarks/bench_kernels.py --cascade --sweep cascade).
 _CASCADE_TARGET_PROGRAMS = 256
 _CASCADE_MAX_PREFIX_SPLITS = 16
 
