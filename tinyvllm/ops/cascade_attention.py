@@ -61,7 +61,7 @@ def common_prefix_len(block_tables: np.ndarray, context_lens: np.ndarray, block_
     if block_tables.shape[0] == 0:
         return 0
     limit = min(int(context_lens.min() - 1) // block_size, block_tables.shape[1])
-    if limit <= 0:
+    if limit <= 0 or not (block_tables[:, 0] == block_tables[0, 0]).all():  # (the common case, cheaply)
         return 0
     same = (block_tables[:, :limit] == block_tables[0, :limit]).all(axis=0)
     return block_size * (limit if same.all() else int(same.argmin()))
