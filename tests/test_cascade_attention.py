@@ -206,6 +206,22 @@ def test_prepare_without_cascade(checkpoint: str) -> None:
 # ------------------------------------------------------------------------------------------------- the engine
 
 
+def record_prefixes(llm: object) -> list[int]:
+    """The common_prefix_len of every step the engine's model runner prepares from now on."""
+    runner = llm.llm_engine.engine_core.model_runner
+    prefixes: list[int] = []
+    prepare = runner.prepare
+
+    def recording_prepare(step: SchedulerOutput):
+        inputs = prepare(step)
+        if inputs.meta.common_prefix_len is not None:
+            prefixes.append(int(inputs.meta.common_prefix_len[0]))
+        return inputs
+
+    runner.prepare = recording_prepare
+    return prefixes
+
+
 def test_engine_greedy_same_with_cascade_on_and_off(checkpoint: str) -> None:
     """Requests sharing a cached prefix decode through cascade attention (the CPU runs its reference), with the
     same greedy tokens as without it."""
@@ -217,17 +233,7 @@ def test_engine_greedy_same_with_cascade_on_and_off(checkpoint: str) -> None:
     results = {}
     for cascade in (True, False):
         llm = tiny_llm(checkpoint, num_kv_blocks=512, cascade_attention=cascade)
-        runner = llm.llm_engine.engine_core.model_runner
-        prefixes: list[int] = []
-        prepare = runner.prepare
-
-        def recording_prepare(step: SchedulerOutput, prepare=prepare, prefixes=prefixes):
-            inputs = prepare(step)
-            if inputs.meta.common_prefix_len is not None:
-                prefixes.append(int(inputs.meta.common_prefix_len[0]))
-            return inputs
-
-        runner.prepare = recording_prepare
+        prefixes = record_prefixes(llm)
         llm.generate(prompts[:1], params, use_tqdm=False)  # the system prompt is cached, as a server's would be
         outputs = llm.generate(prompts[1:], params, use_tqdm=False)
         results[cascade] = [o.outputs[0].token_ids for o in outputs]
@@ -236,3 +242,23 @@ def test_engine_greedy_same_with_cascade_on_and_off(checkpoint: str) -> None:
         else:
             assert not prefixes
     assert results[True] == results[False]
+
+
+def test_tensor_parallel_ranks_take_the_common_prefix(checkpoint: str) -> None:
+    """With two ranks the common prefix travels in the step's staged buffer to rank 1, which runs cascade
+    attention on its heads too: greedy tokens equal one rank's."""
+    rng = random.Random(4)
+    system = [rng.randrange(2, 256) for _ in range(CASCADE_MIN_PREFIX_TOKENS + 16)]
+    prompts = [system + [rng.randrange(2, 256) for _ in range(rng.randint(1, 9))] for _ in range(CASCADE_MIN_SEQS + 1)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    results = []
+    for size in (1, 2):
+        llm = tiny_llm(checkpoint, num_kv_blocks=256, tensor_parallel_size=size)
+        try:
+            prefixes = record_prefixes(llm)
+            llm.generate(prompts[:1], params, use_tqdm=False)
+            results.append([o.outputs[0].token_ids for o in llm.generate(prompts[1:], params, use_tqdm=False)])
+            assert prefixes, f"no step of {size} rank(s) took cascade attention"
+        finally:
+            llm.llm_engine.shutdown()
+    assert results[0] == results[1]
