@@ -7,6 +7,11 @@
   copy ceiling and the torch reference;
 - sampling at vocabulary 128256, batch 1/64/256 (greedy, temperature, top-k/top-p/min-p, with and without
   the engine's hints, eager and in a CUDA graph): microseconds vs sample_ref or torch.argmax;
+- with --cascade, alone: cascade attention (tinyvllm/ops/cascade_attention.py) on decode batches of 8-256
+  sequences sharing a 1,024-token prefix of blocks, each with its own 64-192 tokens: microseconds and effective
+  GB/s (the K+V bytes the plain kernel reads) vs the plain paged decode kernel on the same blocks and vs SDPA
+  flash on contiguous KV of the mean length; first a bf16 correctness check against the float32 reference;
+  --sweep cascade (or all) also times other prefix splits and row tiles;
 - with --gemv, alone: the skinny matmul (tinyvllm/ops/linear.py) at M = 1..64 on the five Llama-3.2-1B
   products, in the layouts and calls the model uses, vs cuBLAS and the copy ceiling, 16 distinct weights per
   shape replayed in a CUDA graph (as the 16 layers run: nothing served from the 50 MB L2); first a bf16
@@ -14,6 +19,7 @@
 
     python benchmarks/bench_kernels.py [--quick] [--sweep [prefill|decode|rms_norm] [--sweep-only]]
     python benchmarks/bench_kernels.py --gemv [--gemv-sweep]
+    python benchmarks/bench_kernels.py --cascade [--sweep cascade]
 
 --sweep also times alternative launch configurations: attention tiles, warps, stages and splits; RMSNorm
 rows per program and warps beside a copy with the same grid; without --quick, sampling chunk sizes.
@@ -24,6 +30,7 @@ matmul tiles, splits, warps and split-K reduces (compiled first in parallel work
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 import os
@@ -48,10 +55,17 @@ from tinyvllm.ops.activation import silu_and_mul_ref, silu_and_mul_triton  # noq
 from tinyvllm.ops.attention import (  # noqa: E402
     decode_config,
     decode_num_splits,
+    paged_attention_ref,
     paged_attention_triton,
     paged_decode_triton,
     paged_prefill_triton,
     prefill_config,
+)
+from tinyvllm.ops.cascade_attention import (  # noqa: E402
+    CascadePlan,
+    cascade_attention_triton,
+    cascade_plan,
+    cascade_prefix_config,
 )
 from tinyvllm.ops.layernorm import (  # noqa: E402
     _launch_rms_norm,
@@ -241,6 +255,149 @@ def bench_decode(table: Table, ceiling: float) -> None:
             del sets, peers
 
 
+# ---------------------------------------------------------------------------------------- cascade attention
+
+CASCADE_BATCHES, CASCADE_PREFIX, CASCADE_SUFFIXES = [8, 32, 64, 256], 1024, (64, 192)
+TOKEN_KV_BYTES = 2 * NUM_KV_HEADS * HEAD_DIM * 2  # K and V of one token, bf16
+
+
+def shared_prefix_step(batch: int, prefix_len: int, suffix_lens: list[int]) -> tuple:
+    """A decode step of `batch` sequences whose block tables start with the same prefix_len // BLOCK_SIZE blocks
+    (as the prefix cache gives them), each then with suffix_lens[i] tokens in blocks of its own, from a randomly
+    permuted pool: (q, k_cache, v_cache, cascade metadata, the same without common_prefix_len)."""
+    prefix_blocks = prefix_len // BLOCK_SIZE
+    own = [math.ceil(s / BLOCK_SIZE) for s in suffix_lens]
+    num_blocks = prefix_blocks + sum(own)
+    order = torch.randperm(num_blocks, device=DEVICE).int()
+    tables = torch.zeros(batch, prefix_blocks + max(own), dtype=torch.int32, device=DEVICE)
+    tables[:, :prefix_blocks] = order[:prefix_blocks]
+    start = prefix_blocks
+    for i, n in enumerate(own):
+        tables[i, prefix_blocks:prefix_blocks + n] = order[start:start + n]
+        start += n
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = torch.randn(shape, device=DEVICE, dtype=DTYPE), torch.randn(shape, device=DEVICE, dtype=DTYPE)
+    q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    plain = metadata([1] * batch, [prefix_len + s for s in suffix_lens], tables)
+    cascade = dataclasses.replace(plain, common_prefix_len=torch.tensor([prefix_len], dtype=torch.int32,
+                                                                          device=DEVICE))
+    return q, k_cache, v_cache, cascade, plain
+
+
+def cascade_suffixes(batch: int) -> list[int]:
+    return torch.randint(CASCADE_SUFFIXES[0], CASCADE_SUFFIXES[1] + 1, (batch,)).tolist()
+
+
+def cascade_check() -> bool:
+    """Cascade attention in bf16 against the float32 reference and against the plain kernel, per batch size."""
+    ok, scale = True, HEAD_DIM**-0.5
+    print("cascade attention correctness (bf16 vs float32 reference, ||out - ref|| / ||ref||, tolerance 1e-2):")
+    for batch in CASCADE_BATCHES:
+        q, k_cache, v_cache, cascade, plain = shared_prefix_step(batch, CASCADE_PREFIX, cascade_suffixes(batch))
+        out = cascade_attention_triton(q, k_cache, v_cache, cascade, scale).float()
+        ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), plain, scale)
+        ours_plain = paged_attention_triton(q, k_cache, v_cache, plain, scale).float()
+        err = float((out - ref).norm() / ref.norm())
+        err_plain = float((ours_plain - ref).norm() / ref.norm())
+        diff = float((out - ours_plain).norm() / ours_plain.norm())
+        good = err <= 1e-2 and bool(torch.isfinite(out).all())
+        ok &= good
+        print(f"  B={batch}: cascade {err:.1e}, plain kernel {err_plain:.1e}, cascade vs plain {diff:.1e}"
+              f"{'' if good else '  FAIL'}", flush=True)
+    return ok
+
+
+def cascade_sets(batch: int) -> tuple[list[tuple], int, int]:
+    """Enough distinct steps of `batch` sequences to rotate past the L2 cache, the unique K+V bytes of one and
+    the bytes the plain kernel reads for one."""
+    suffixes = cascade_suffixes(batch)
+    unique = (CASCADE_PREFIX + sum(suffixes)) * TOKEN_KV_BYTES
+    attended = (batch * CASCADE_PREFIX + sum(suffixes)) * TOKEN_KV_BYTES
+    copies = max(1, min(64, math.ceil(L2_BYTES / unique)))
+    return [shared_prefix_step(batch, CASCADE_PREFIX, suffixes) for _ in range(copies)], unique, attended
+
+
+def bench_cascade(times: Table, rates: Table) -> None:
+    scale = HEAD_DIM**-0.5
+    for batch in CASCADE_BATCHES:
+        sets, unique, attended = cascade_sets(batch)
+        plan = cascade_plan(sets[0][0], sets[0][1], sets[0][3])
+
+        def run(which: int, sets: list = sets) -> None:
+            for s in sets:
+                (cascade_attention_triton if which == 3 else paged_attention_triton)(s[0], s[1], s[2], s[which], scale)
+
+        cascade_us = bench_graph(lambda: run(3), len(sets)) * 1e3
+        plain_us = bench_graph(lambda: run(4), len(sets)) * 1e3
+        case = (f"B={batch} prefix {CASCADE_PREFIX} + suffixes {CASCADE_SUFFIXES[0]}-{CASCADE_SUFFIXES[1]} "
+                f"({attended / 2**20:.0f} MiB attended, {unique / 2**20:.0f} MiB unique; {plan.num_prefix_splits} "
+                f"prefix + {plan.num_splits} suffix splits)")
+        print(f"  {case}: cascade {cascade_us:.1f} us, plain {plain_us:.1f} us, plain/cascade "
+              f"{plain_us / cascade_us:.2f}x", flush=True)
+        times.add(case, cascade_us, "plain paged kernel", plain_us)
+        rates.add(case, attended / cascade_us / 1e3, "plain paged kernel", attended / plain_us / 1e3)
+        length = CASCADE_PREFIX + (CASCADE_SUFFIXES[0] + CASCADE_SUFFIXES[1]) // 2
+        peer_sets = []
+        for s in sets:
+            k4 = torch.randn(batch, NUM_KV_HEADS, length, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+            peer_sets.append(sdpa(SDPBackend.FLASH_ATTENTION, s[0].unsqueeze(2), k4, torch.randn_like(k4), False))
+        if peer_sets[0] is None:
+            rates.add(case, attended / cascade_us / 1e3, "SDPA flash (not available)", None)
+        else:
+
+            def peer(peer_sets: list = peer_sets) -> None:
+                for p in peer_sets:
+                    p()
+
+            peer_us = bench_graph(peer, len(sets)) * 1e3
+            rates.add(case, attended / cascade_us / 1e3, f"SDPA flash, contiguous KV, every context {length}",
+                      batch * length * TOKEN_KV_BYTES / peer_us / 1e3)
+        del sets, peer_sets
+        torch.cuda.empty_cache()
+
+
+def sweep_cascade() -> None:
+    """Microseconds of other prefix split counts and prefix row tiles, per batch size (the defaults come from
+    cascade_plan; the suffix splits stay its choice)."""
+    scale = HEAD_DIM**-0.5
+    print(f"\n## Cascade attention plans: microseconds by prefix splits, per prefix tile (BLOCK_M, warps, stages); "
+          f"default tile {cascade_prefix_config(DTYPE)}")
+    for batch in CASCADE_BATCHES:
+        sets, _, _ = cascade_sets(batch)
+        default = cascade_plan(sets[0][0], sets[0][1], sets[0][3])
+        print(f"  B={batch} (default {default.num_prefix_splits} prefix + {default.num_splits} suffix splits):")
+        for prefix_config in ((32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 8, 3)):
+            results = []
+            for splits in (1, 2, 4, 8, 16):
+                plan = default._replace(num_prefix_splits=splits, prefix_config=prefix_config)
+
+                def run(plan: CascadePlan = plan, sets: list = sets) -> None:
+                    for s in sets:
+                        cascade_attention_triton(s[0], s[1], s[2], s[3], scale, plan)
+
+                try:
+                    results.append(f"{splits}: {bench_graph(run, len(sets)) * 1e3:.1f}")
+                except Exception as error:  # a config that does not compile or fit
+                    results.append(f"{splits}: failed ({type(error).__name__})")
+            print(f"    {prefix_config}: " + "  ".join(results), flush=True)
+        del sets
+        torch.cuda.empty_cache()
+
+
+def run_cascade(sweep_plans: bool) -> int:
+    ok = cascade_check()
+    times = Table(f"Cascade attention, decode with a shared {CASCADE_PREFIX}-token prefix: microseconds per call "
+                  "(CUDA graphs, inputs rotated past L2; lower is better, so ours/peer < 1 wins)", "us")
+    rates = Table("The same as effective GB/s: the K+V bytes every sequence attends (prefix counted per sequence) "
+                  "per second; SDPA's own bytes for its row", "GB/s")
+    bench_cascade(times, rates)
+    times.print()
+    rates.print()
+    if sweep_plans:
+        sweep_cascade()
+    return 0 if ok else 1
+
+
 # ---------------------------------------------------------------------------------------------- elementwise
 
 
@@ -359,6 +516,8 @@ def sweep(what: str) -> None:
             sweep_decode(batch, context)
     if what in ("all", "rms_norm"):
         sweep_rms_norm()
+    if what in ("all", "cascade"):
+        sweep_cascade()
 
 
 def sweep_prefill() -> None:
@@ -709,11 +868,12 @@ def main() -> int:
     global QUICK
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer decode shapes, shorter timing runs")
-    parser.add_argument("--sweep", nargs="?", const="all", choices=("all", "prefill", "decode", "rms_norm"),
+    parser.add_argument("--sweep", nargs="?", const="all", choices=("all", "prefill", "decode", "rms_norm", "cascade"),
                         help="also time alternative launch configs (of one kernel family, if named)")
     parser.add_argument("--sweep-only", action="store_true", help="skip the tables, run the sweep alone")
     parser.add_argument("--gemv", action="store_true", help="the skinny matmul section alone (check + table)")
     parser.add_argument("--gemv-sweep", action="store_true", help="with --gemv: also time alternative configs")
+    parser.add_argument("--cascade", action="store_true", help="the cascade attention section alone (check + table)")
     args = parser.parse_args()
     QUICK = args.quick
     if not torch.cuda.is_available():
@@ -723,6 +883,8 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
     if args.gemv or args.gemv_sweep:
         return run_gemv(args.gemv_sweep)
+    if args.cascade:
+        return run_cascade(args.sweep in ("all", "cascade"))
     if args.sweep and args.sweep_only:
         sweep(args.sweep)
         return 0

@@ -1,7 +1,9 @@
 """shared-prefix (docs/benchmarks.md): 256 requests sharing a 1,024-token system prompt, each with its
 own 64-token question, 128 output tokens; output tok/s and time to first token with prefix caching on
-and off, in the same run. `--small` is the scaled-down CPU version on the embedded model. `--plot FILE` draws
-each run's steps (FILE-caching-on.png, FILE-caching-off.png)."""
+and off, in the same run. `--cascade-off` adds a run with prefix caching on and cascade attention off (decode
+steps then read the shared prefix once per sequence) and prints the cascade on/off ratio. `--small` is the
+scaled-down CPU version on the embedded model. `--plot FILE` draws each run's steps (FILE-caching-on.png,
+FILE-caching-off.png, and FILE-caching-on-cascade-off.png)."""
 
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ def main() -> None:
     parser.add_argument("--prefix-len", type=int, default=None, help="shared tokens (default 1024; --small: 256)")
     parser.add_argument("--question-len", type=int, default=None, help="default 64; --small: 32")
     parser.add_argument("--output-len", type=int, default=None, help="default 128; --small: 16")
+    parser.add_argument("--cascade-off", action="store_true",
+                        help="also run with prefix caching on and cascade attention off, and print the ratio")
     parser.add_argument("--plot", default=None, metavar="FILE",
                         help="draw each run's steps into a PNG: FILE-caching-on.png, FILE-caching-off.png "
                         "(needs matplotlib)")
@@ -75,21 +79,27 @@ def main() -> None:
     print(f"shared-prefix on {gpu_name()} at {commit()}: {n} requests, {prefix_len}-token shared prefix, "
           f"{question_len}-token questions, {out_len} output tokens (one request warms the prefix first)")
     results = {}
-    for caching in (True, False):
-        llm = LLM(path, enable_prefix_caching=caching, **kwargs)
+    # (prefix caching, cascade attention); without caching no two sequences share blocks, so cascade never applies
+    configs = [(True, True), *([(True, False)] if args.cascade_off else []), (False, True)]
+    for caching, cascade in configs:
+        name = f"caching {'on' if caching else 'off'}" + ("" if cascade else ", cascade off")
+        llm = LLM(path, enable_prefix_caching=caching, cascade_attention=cascade, **kwargs)
         recorder = StepRecorder.attach(llm) if args.plot else None
-        r = results[caching] = run(llm, prompts, out_len, recorder)
-        print(f"  prefix caching {'on ' if caching else 'off'}: {r['output_tok_per_s']:,.0f} output tok/s "
+        r = results[caching, cascade] = run(llm, prompts, out_len, recorder)
+        print(f"  prefix {name}: {r['output_tok_per_s']:,.0f} output tok/s "
               f"({r['seconds']:.2f} s), median TTFT {r['ttft_median_ms']:.0f} ms, hit rate {r['hit_rate']:.0%}")
         if recorder is not None:
-            plot = plot_path(args.plot, f"caching {'on' if caching else 'off'}", only=False)
-            plot_steps(recorder.records, plot, f"shared-prefix, prefix caching {'on' if caching else 'off'}: "
+            plot = plot_path(args.plot, name, only=False)
+            plot_steps(recorder.records, plot, f"shared-prefix, prefix {name}: "
                        f"{r['output_tok_per_s']:,.0f} output tok/s, hit rate {r['hit_rate']:.0%}\n{n - 1} measured "
                        f"requests, {prefix_len}-token shared prefix, {question_len}-token questions, {out_len} "
                        f"output tokens", start=recorder.start)
             print(f"    steps drawn in {plot}")
         del llm
-    print(f"  on / off: {results[True]['output_tok_per_s'] / results[False]['output_tok_per_s']:.2f}x throughput")
+    speed = {key: r["output_tok_per_s"] for key, r in results.items()}
+    print(f"  caching on / off: {speed[True, True] / speed[False, True]:.2f}x throughput")
+    if args.cascade_off:
+        print(f"  cascade attention on / off (caching on): {speed[True, True] / speed[True, False]:.2f}x throughput")
 
 
 if __name__ == "__main__":

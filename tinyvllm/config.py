@@ -241,6 +241,9 @@ class EngineConfig:
                                              "tenth of the available memory", type=str)
     enable_prefix_caching: bool = _arg(True, "reuse the KV cache of prompt prefixes computed before")
     enforce_eager: bool = _arg(False, "no CUDA graphs")
+    cascade_attention: bool = _arg(True, "decode steps whose sequences share a cached prefix read its KV once for "
+                                         "all of them (cascade attention), when the prefix and the batch are large "
+                                         "enough to pay")
     scheduling: str = _arg("continuous", "continuous batching, or static (a batch runs to its end before the next)",
                            choices=("continuous", "static"))
     # None: on for CUDA, where the host is the bottleneck; off on the CPU, where nothing runs concurrently and

@@ -6,7 +6,9 @@
    ops (TINYVLLM_REFERENCE_OPS=1, eager). Each run is checked to have taken the path it names. In float32 every
    path gives the same tokens as the eager Triton run (and that one as the reference ops). In bfloat16 the
    paths round differently and random weights give near-ties, so a flip is expected somewhere: identical
-   tokens pass, different ones are reported as xfail with the common prefix lengths, not judged.
+   tokens pass, different ones are reported as xfail with the common prefix lengths, not judged;
+3. greedy generation of requests sharing a cached prefix with cascade attention on and off (CUDA graphs on):
+   the same tokens in float32, and in bfloat16 reported as above.
 
     python -m pytest -m cuda tests/gpu/test_engine_cuda.py -ra      (on a GPU machine; skipped elsewhere)
 """
@@ -21,6 +23,7 @@ import pytest
 import torch
 
 from tests.utils import CUDA_ONLY, our_logits, random_llama_1b, relative_error, run_python
+from tinyvllm.ops.cascade_attention import CASCADE_MIN_PREFIX_TOKENS, CASCADE_MIN_SEQS
 
 pytestmark = CUDA_ONLY
 
@@ -220,3 +223,69 @@ def test_padded_shapes_change_no_token(llama_1b: str) -> None:
     finally:
         del llm
         free_gpu_memory()
+
+
+# ------------------------------------------------------------------------------ cascade attention, on and off
+
+# Requests sharing a prefix 64 tokens past cascade attention's threshold (cached by a first request, as on a
+# server), as many as its threshold and 4 more: their decode steps go through cascade attention when it is on,
+# in the CUDA graphs captured with it.
+SHARED_PREFIX = [(j * 53) % 10000 for j in range(CASCADE_MIN_PREFIX_TOKENS + 64)]
+SHARED_PROMPTS = [SHARED_PREFIX + [(i * 97 + j * 13) % 10000 for j in range(8 + 3 * i)]
+                  for i in range(CASCADE_MIN_SEQS + 5)]
+SHARED_ENGINE_ARGS = {**ENGINE_ARGS, "max_num_seqs": max(16, len(SHARED_PROMPTS)),
+                      "max_model_len": max(2048, len(SHARED_PROMPTS[-1]) + NUM_TOKENS)}
+
+GENERATE_SHARED = r"""
+import json, sys
+from tinyvllm import LLM, SamplingParams
+path, dtype, cascade, num_tokens, prompts, engine_args = json.loads(sys.argv[1])
+llm = LLM(path, dtype=dtype, cascade_attention=cascade, **engine_args)
+runner = llm.llm_engine.engine_core.model_runner
+graphs = runner.cuda_graphs
+cascade_steps, replayed = [], []
+prepare = runner.prepare
+def recording_prepare(step):
+    inputs = prepare(step)
+    if inputs.meta.common_prefix_len is not None:
+        cascade_steps.append(inputs.meta.num_seqs)
+        replayed.append(graphs is not None and graphs.fits(inputs.meta.num_seqs))
+    return inputs
+runner.prepare = recording_prepare
+params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+llm.generate(prompts[:1], params, use_tqdm=False)
+tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts[1:], params, use_tqdm=False)]
+print("RESULT" + json.dumps(dict(tokens=tokens, cascade_steps=len(cascade_steps), replayed=sum(replayed),
+                                 cascade_graphs=len(graphs.cascade_graphs) if graphs else 0)))
+"""
+
+
+@pytest.fixture(scope="module")
+def cascade_runs(llama_1b: str) -> dict[tuple[str, bool], dict[str, Any]]:
+    free_gpu_memory()
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        for cascade in (True, False):
+            result = run_python(GENERATE_SHARED, [llama_1b, dtype, cascade, NUM_TOKENS, SHARED_PROMPTS,
+                                                  SHARED_ENGINE_ARGS], dict(os.environ), 600)
+            if isinstance(result, str):
+                pytest.fail(f"shared-prefix greedy run, cascade {'on' if cascade else 'off'} ({dtype}) failed:\n"
+                            f"{result}")
+            runs[dtype, cascade] = result
+    return runs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cascade_attention_greedy_same_on_and_off(cascade_runs: dict, dtype: str) -> None:
+    """With cascade attention on, decode steps of the shared-prefix requests take it, through CUDA graphs; off,
+    none does. In float32 the tokens must be the same; in bfloat16 a flip at a near-tie is reported (xfail)."""
+    on, off = cascade_runs[dtype, True], cascade_runs[dtype, False]
+    assert on["cascade_graphs"] > 0 and off["cascade_graphs"] == 0, (on["cascade_graphs"], off["cascade_graphs"])
+    assert on["cascade_steps"] > NUM_TOKENS // 2 and on["replayed"] == on["cascade_steps"], \
+        f"cascade steps {on['cascade_steps']}, of which replayed as CUDA graphs {on['replayed']}"
+    assert off["cascade_steps"] == 0
+    same, detail = agreement(on["tokens"], off["tokens"])
+    if dtype == "float32":
+        assert same, f"greedy {NUM_TOKENS} tokens in float32, cascade attention on != off: {detail}"
+    elif not same:
+        pytest.xfail(f"bf16 greedy, cascade attention on vs off (a flip at a near-tie is expected): {detail}")

@@ -9,6 +9,7 @@ integers), so an unwritten element fails.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +24,7 @@ pytest.importorskip("triton")
 from tests.utils import CUDA_ONLY, attention_metadata  # noqa: E402
 from tinyvllm.ops.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from tinyvllm.ops.attention import AttentionMetadata, paged_attention_ref, paged_attention_triton  # noqa: E402
+from tinyvllm.ops.cascade_attention import cascade_attention_triton  # noqa: E402
 from tinyvllm.ops.embedding import embedding_ref, embedding_triton  # noqa: E402
 from tinyvllm.ops.layernorm import (  # noqa: E402
     fused_add_rms_norm_ref,
@@ -306,6 +308,104 @@ def test_decode_attention_in_cuda_graph() -> None:
     torch.cuda.synchronize()
     ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, scale)
     assert_close("attention decode in a CUDA graph, replayed on new contexts bf16", out, ref, dtype)
+
+
+def shared_prefix_batch(
+    prefix_len: int, suffix_lens: list[int], dtype: torch.dtype, num_q_heads: int = NUM_Q_HEADS,
+    num_kv_heads: int = NUM_KV_HEADS, head_dim: int = HEAD_DIM, padding: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A decode step whose sequences all start with the same prefix_len // BLOCK_SIZE blocks (a prefix-cache
+    hit), then hold suffix_lens tokens (the newest included) in blocks of their own; `padding` rows of context 0
+    follow (a CUDA graph's). Blocks are a random permutation of the pool; slots no sequence owns are NaN."""
+    prefix_blocks = prefix_len // BLOCK_SIZE
+    own_blocks = [math.ceil(s / BLOCK_SIZE) for s in suffix_lens]
+    num_blocks = prefix_blocks + sum(own_blocks) + 16
+    order = torch.randperm(num_blocks, device=DEVICE)
+    num_seqs = len(suffix_lens) + padding
+    block_tables = torch.zeros(num_seqs, prefix_blocks + max(own_blocks) + 2, dtype=torch.int32, device=DEVICE)
+    owned = torch.zeros(num_blocks, BLOCK_SIZE, dtype=torch.bool, device=DEVICE)
+    owned[order[:prefix_blocks]] = True
+    start = prefix_blocks
+    for i, suffix_len in enumerate(suffix_lens):
+        blocks = order[start:start + own_blocks[i]]
+        start += own_blocks[i]
+        block_tables[i, :prefix_blocks] = order[:prefix_blocks].int()
+        block_tables[i, prefix_blocks:prefix_blocks + len(blocks)] = blocks.int()
+        positions = torch.arange(suffix_len, device=DEVICE)
+        owned[blocks[positions // BLOCK_SIZE], positions % BLOCK_SIZE] = True
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, device=DEVICE).to(dtype)
+    v_cache = torch.randn(shape, device=DEVICE).to(dtype)
+    k_cache[~owned], v_cache[~owned] = float("nan"), float("nan")
+    q = torch.randn(num_seqs, num_q_heads, head_dim, device=DEVICE).to(dtype)
+    meta = attention_metadata([1] * num_seqs, [prefix_len + s for s in suffix_lens] + [0] * padding, block_tables)
+    meta.common_prefix_len = torch.tensor([prefix_len], dtype=torch.int32, device=DEVICE)
+    return q, k_cache, v_cache, meta
+
+
+def without_prefix(meta: AttentionMetadata) -> AttentionMetadata:
+    return dataclasses.replace(meta, common_prefix_len=None)
+
+
+# Each case: shared_prefix_batch's arguments (the suffixes drawn from the seeded random state), and optionally a
+# max_context_len larger than the batch's (as a CUDA graph captured for longer contexts launches).
+CASCADE_CASES: dict[str, Callable[[], dict]] = {
+    "B=8 prefix 1024 suffixes 1..192": lambda: dict(prefix_len=1024, suffix_lens=rand_lens(8, 1, 192)),
+    "B=64 prefix 256 suffixes 1..64": lambda: dict(prefix_len=256, suffix_lens=rand_lens(64, 1, 64)),
+    "B=256 prefix 1024 suffixes 64..192": lambda: dict(prefix_len=1024, suffix_lens=rand_lens(256, 64, 192)),
+    "B=32 prefix 4096 suffixes 1..2000": lambda: dict(prefix_len=4096, suffix_lens=rand_lens(32, 1, 2000)),
+    "B=16 prefix 512 d128": lambda: dict(prefix_len=512, suffix_lens=rand_lens(16, 1, 300), head_dim=128),
+    "9q-3kv B=12 prefix 768": lambda: dict(prefix_len=768, suffix_lens=rand_lens(12, 1, 100), num_q_heads=9,
+                                           num_kv_heads=3),
+    "B=20 prefix 1024 + 12 padding rows, grid for 131072": lambda: dict(prefix_len=1024,
+                                                                        suffix_lens=rand_lens(20, 1, 192), padding=12,
+                                                                        max_context_len=131072),
+}
+
+
+@pytest.mark.parametrize("case", list(CASCADE_CASES))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cascade_attention(dtype: torch.dtype, case: str) -> None:
+    """Cascade attention against the float32 reference, and against the plain paged kernel."""
+    spec = CASCADE_CASES[case]()
+    max_context_len = spec.pop("max_context_len", None)
+    q, k_cache, v_cache, meta = shared_prefix_batch(dtype=dtype, **spec)
+    if max_context_len is not None:
+        meta.max_context_len = max_context_len
+    scale = q.shape[-1] ** -0.5
+    out = poisoned(cascade_attention_triton, q, k_cache, v_cache, meta, scale)
+    ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), without_prefix(meta), scale)
+    assert_close(f"cascade attention {case} {short(dtype)}", out, ref, dtype)
+    plain = paged_attention_triton(q, k_cache, v_cache, without_prefix(meta), scale)
+    assert_close(f"cascade attention {case} {short(dtype)} vs the plain kernel", out, plain, dtype)
+
+
+def test_cascade_attention_in_cuda_graph() -> None:
+    """Cascade attention captured in a CUDA graph at max_context_len 8192 with a 1,024-token prefix, replayed on
+    new q, a 512-token prefix and new suffixes: the prefix length is read on the device."""
+    dtype, batch = torch.bfloat16, 64
+    q, k_cache, v_cache, meta = shared_prefix_batch(1024, rand_lens(batch, 1, 192), dtype)
+    meta.max_context_len = 8192
+    scale = HEAD_DIM**-0.5
+    cascade_attention_triton(q, k_cache, v_cache, meta, scale)  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        cascade_attention_triton(q, k_cache, v_cache, meta, scale)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cascade_attention_triton(q, k_cache, v_cache, meta, scale)
+    # only the first 512 tokens taken as shared now, and each sequence's context shortened within its own blocks
+    meta.common_prefix_len.fill_(512)
+    suffix_lens = meta.context_lens - 1024
+    shorter = (torch.rand(batch, device=DEVICE) * suffix_lens).int().clamp(max=suffix_lens - 1)
+    meta.context_lens.copy_(1024 + 1 + shorter)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), without_prefix(meta), scale)
+    assert_close("cascade attention in a CUDA graph, replayed on a shorter prefix bf16", out, ref, dtype)
 
 
 # ------------------------------------------------------------------------------------------------- sampling

@@ -15,6 +15,7 @@ import torch
 
 from tinyvllm.ops.activation import silu_and_mul_ref
 from tinyvllm.ops.attention import AttentionMetadata, paged_attention_ref
+from tinyvllm.ops.cascade_attention import cascade_attention_ref
 from tinyvllm.ops.embedding import embedding_ref
 from tinyvllm.ops.layernorm import fused_add_rms_norm_ref, rms_norm_ref
 from tinyvllm.ops.linear import skinny_matmul_ref
@@ -83,5 +84,17 @@ fused_add_rms_norm = _dispatch("fused_add_rms_norm", fused_add_rms_norm_ref)
 rotary_embedding_and_store = _dispatch("rotary_embedding_and_store", rotary_embedding_and_store_ref)
 silu_and_mul = _dispatch("silu_and_mul", silu_and_mul_ref)
 skinny_matmul = _dispatch("skinny_matmul", skinny_matmul_ref)
-paged_attention = _dispatch("paged_attention", paged_attention_ref)
+_plain_attention = _dispatch("paged_attention", paged_attention_ref)
+_cascade_attention = _dispatch("cascade_attention", cascade_attention_ref)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """Attention over the paged cache (paged_attention_ref's contract); a decode step whose sequences share a
+    prefix of blocks (meta.common_prefix_len) goes through cascade attention, which reads that prefix once."""
+    if meta.common_prefix_len is not None and meta.is_decode:
+        return _cascade_attention(q, k_cache, v_cache, meta, scale)
+    return _plain_attention(q, k_cache, v_cache, meta, scale)
+
+
 sample = _dispatch("sample", sample_ref)

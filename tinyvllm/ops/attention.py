@@ -33,6 +33,10 @@ class AttentionMetadata:
     # What computes attention, if not ops.paged_attention (same signature): the piecewise CUDA graphs
     # (worker/cuda_graphs.py) cut their capture there, since attention's grid depends on the batch.
     attention: Callable[..., torch.Tensor] | None = None
+    # Decode steps only: [1] int32 on the device, the first common_prefix_len tokens of every sequence with a
+    # token this step are in the same blocks (block_tables[0]'s), whole blocks, all short of the sequence's
+    # newest token. Set, ops.paged_attention reads that prefix once for all of them (cascade_attention.py).
+    common_prefix_len: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -240,14 +244,18 @@ if triton is not None:
     # split it writes the output; otherwise it writes the partial result acc/l and its log2-sum-exp
     # lse = m + log2(l) for the combine kernel. A sequence without keys (a CUDA graph's padding row,
     # context 0) gets zeros, as in the reference.
-    @triton.jit(do_not_specialize=["stride_table", "num_splits"])
+    # SKIP_PREFIX (cascade attention's suffix pass): the keys start at *prefix_len_ptr instead of 0, the
+    # splits cut context_len - prefix_len, and split s's partial goes to slot num_prefix_splits + s of the
+    # num_prefix_splits + num_splits slots per row (the prefix pass fills the first ones).
+    @triton.jit(do_not_specialize=["stride_table", "num_splits", "num_prefix_splits"])
     def _paged_decode_kernel(
         out_ptr, partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-        cu_query_lens_ptr, context_lens_ptr,
+        cu_query_lens_ptr, context_lens_ptr, prefix_len_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_table, qk_scale, num_q_heads, num_splits, min_partition,
+        num_prefix_splits,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        HEAD_DIM: tl.constexpr, SINGLE_SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+        HEAD_DIM: tl.constexpr, SINGLE_SPLIT: tl.constexpr, SKIP_PREFIX: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         pdl_wait(USE_PDL)
         seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -264,8 +272,16 @@ if triton is not None:
             if (context_len <= 0) & (query_len > 0):
                 zeros = tl.zeros([BLOCK_G, HEAD_DIM], dtype=out_ptr.dtype.element_ty)
                 tl.store(out_ptrs, zeros, mask=row_valid[:, None])
-        partition = _split_partition(context_len, num_splits, min_partition, BLOCK_N)
-        start = split * partition
+        if SKIP_PREFIX:
+            key_start = tl.load(prefix_len_ptr)
+            num_slots = num_prefix_splits + num_splits
+            first_slot = num_prefix_splits
+        else:
+            key_start = 0
+            num_slots = num_splits
+            first_slot = 0
+        partition = _split_partition(context_len - key_start, num_splits, min_partition, BLOCK_N)
+        start = key_start + split * partition
         if (query_len == 0) | (start >= context_len):
             return
         end = tl.minimum(start + partition, context_len)
@@ -288,18 +304,21 @@ if triton is not None:
         if SINGLE_SPLIT:
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
         else:
-            part = (seq * num_q_heads + head).to(tl.int64) * num_splits + split
+            part = (seq * num_q_heads + head).to(tl.int64) * num_slots + first_slot + split
             part_ptrs = partial_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
             tl.store(part_ptrs, out, mask=row_valid[:, None])
             tl.store(partial_lse_ptr + part, m_i + tl.log2(l_i), mask=row_valid)
 
     # Decode pass 2: program (sequence, query head) merges the splits that held keys:
     #   out = sum_s w_s * out_s / sum_s w_s,   w_s = exp2(lse_s - max_s lse_s)
-    @triton.jit(do_not_specialize=["num_splits"])
+    # CASCADE: the row's slots are num_prefix_splits pieces of the shared prefix (prefix_len tokens, cut as
+    # _split_partition cuts a context), then num_splits pieces of the row's own suffix.
+    @triton.jit(do_not_specialize=["num_splits", "num_prefix_splits"])
     def _combine_splits_kernel(
-        out_ptr, partial_out_ptr, partial_lse_ptr, cu_query_lens_ptr, context_lens_ptr,
-        stride_ot, stride_oh, num_q_heads, num_splits, min_partition,
-        BLOCK_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
+        out_ptr, partial_out_ptr, partial_lse_ptr, cu_query_lens_ptr, context_lens_ptr, prefix_len_ptr,
+        stride_ot, stride_oh, num_q_heads, num_splits, min_partition, num_prefix_splits,
+        BLOCK_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CASCADE: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         pdl_wait(USE_PDL)
         seq, head = tl.program_id(0), tl.program_id(1)
@@ -314,9 +333,20 @@ if triton is not None:
             tl.store(out_ptrs, tl.zeros([HEAD_DIM], dtype=out_ptr.dtype.element_ty))
             return
         splits = tl.arange(0, BLOCK_SPLITS)
-        partition = _split_partition(context_len, num_splits, min_partition, BLOCK_N)
-        used = (splits < num_splits) & (splits < tl.cdiv(context_len, partition))
-        part = (seq * num_q_heads + head).to(tl.int64) * num_splits + splits
+        if CASCADE:
+            prefix_len = tl.load(prefix_len_ptr)
+            prefix_partition = _split_partition(prefix_len, num_prefix_splits, min_partition, BLOCK_N)
+            used = (splits < num_prefix_splits) & (splits < tl.cdiv(prefix_len, prefix_partition))
+            suffix_len = context_len - prefix_len
+            partition = _split_partition(suffix_len, num_splits, min_partition, BLOCK_N)
+            suffix_split = splits - num_prefix_splits
+            used |= (suffix_split >= 0) & (suffix_split < num_splits) & (suffix_split < tl.cdiv(suffix_len, partition))
+            num_slots = num_prefix_splits + num_splits
+        else:
+            partition = _split_partition(context_len, num_splits, min_partition, BLOCK_N)
+            used = (splits < num_splits) & (splits < tl.cdiv(context_len, partition))
+            num_slots = num_splits
+        part = (seq * num_q_heads + head).to(tl.int64) * num_slots + splits
         lse = tl.load(partial_lse_ptr + part, mask=used, other=float("-inf"))
         weight = tl.exp2(lse - tl.max(lse, axis=0))
         part_ptrs = partial_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
@@ -414,7 +444,7 @@ def paged_decode_triton(
     """The flash-decoding path of paged_attention_triton (every sequence has query_len <= 1).
     num_splits overrides decode_num_splits, and then pieces may be as short as BLOCK_N (tests force
     several splits on tiny contexts); config overrides decode_config."""
-    group = _check_shapes(q, k_cache, v_cache)
+    _check_shapes(q, k_cache, v_cache)
     num_seqs, num_q_heads, num_kv_heads, head_dim = meta.num_seqs, q.shape[1], k_cache.shape[2], q.shape[2]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0 or num_seqs == 0:
@@ -430,27 +460,53 @@ def paged_decode_triton(
         partial_out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32,
                                   device=q.device)
         partial_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    launch_decode(out, partial_out, partial_lse, q, k_cache, v_cache, meta, scale, num_splits, min_partition,
+                  (block_n, num_warps, num_stages))
+    if not single:
+        launch_combine(out, partial_out, partial_lse, meta, num_splits, min_partition, block_n)
+    return out
+
+
+def launch_decode(
+    out: torch.Tensor, partial_out: torch.Tensor, partial_lse: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, num_splits: int, min_partition: int,
+    config: DecodeConfig, prefix_len: torch.Tensor | None = None, num_prefix_splits: int = 0,
+) -> None:
+    """Decode pass 1 (_paged_decode_kernel); with prefix_len, cascade attention's suffix pass, whose partials
+    follow num_prefix_splits slots of the prefix pass's in each row."""
+    block_n, num_warps, num_stages = config
+    num_seqs, num_q_heads, num_kv_heads, head_dim = meta.num_seqs, q.shape[1], k_cache.shape[2], q.shape[2]
+    group = num_q_heads // num_kv_heads
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, partial_out, partial_lse, q, k_cache, v_cache, meta.block_tables, meta.cu_query_lens,
-        meta.context_lens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        meta.context_lens, meta.context_lens if prefix_len is None else prefix_len,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0), scale * _LOG2E,
-        num_q_heads, num_splits, min_partition,
+        num_q_heads, num_splits, min_partition, num_prefix_splits,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, SINGLE_SPLIT=single,
-        num_warps=num_warps, num_stages=num_stages, **pdl_options(q),
+        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, SINGLE_SPLIT=num_splits == 1 and prefix_len is None,
+        SKIP_PREFIX=prefix_len is not None, num_warps=num_warps, num_stages=num_stages, **pdl_options(q),
     )
-    if not single:
-        _combine_splits_kernel[(num_seqs, num_q_heads)](
-            out, partial_out, partial_lse, meta.cu_query_lens, meta.context_lens,
-            out.stride(0), out.stride(1), num_q_heads, num_splits, min_partition,
-            # One tile width whatever the split count: the sum's reduction tree, and so its rounding, is then
-            # the same for an eager step and a CUDA graph captured with more splits (both cut a context into
-            # the same pieces, see _split_partition). With a width per count, bf16 greedy runs parted.
-            BLOCK_SPLITS=max(_DECODE_MAX_SPLITS, triton.next_power_of_2(num_splits)), BLOCK_N=block_n,
-            HEAD_DIM=head_dim, num_warps=4, **pdl_options(q),
-        )
-    return out
+
+
+def launch_combine(
+    out: torch.Tensor, partial_out: torch.Tensor, partial_lse: torch.Tensor, meta: AttentionMetadata,
+    num_splits: int, min_partition: int, block_n: int, prefix_len: torch.Tensor | None = None,
+    num_prefix_splits: int = 0,
+) -> None:
+    """Decode pass 2 (_combine_splits_kernel); with prefix_len, the prefix's slots are merged too."""
+    num_q_heads, head_dim = out.shape[1], out.shape[2]
+    _combine_splits_kernel[(meta.num_seqs, num_q_heads)](
+        out, partial_out, partial_lse, meta.cu_query_lens, meta.context_lens,
+        meta.context_lens if prefix_len is None else prefix_len,
+        out.stride(0), out.stride(1), num_q_heads, num_splits, min_partition, num_prefix_splits,
+        # One tile width whatever the split count: the sum's reduction tree, and so its rounding, is then
+        # the same for an eager step and a CUDA graph captured with more splits (both cut a context into
+        # the same pieces, see _split_partition). With a width per count, bf16 greedy runs parted.
+        BLOCK_SPLITS=max(_DECODE_MAX_SPLITS, triton.next_power_of_2(num_splits + num_prefix_splits)),
+        BLOCK_N=block_n, HEAD_DIM=head_dim, CASCADE=prefix_len is not None, num_warps=4, **pdl_options(out),
+    )
 
 
 def paged_attention_triton(

@@ -10,6 +10,7 @@ import triton  # noqa: F401  (fail here, not at the first call, where Triton is 
 
 from tinyvllm.ops.activation import silu_and_mul_triton
 from tinyvllm.ops.attention import paged_attention_triton
+from tinyvllm.ops.cascade_attention import cascade_attention_triton
 from tinyvllm.ops.embedding import embedding_triton
 from tinyvllm.ops.layernorm import fused_add_rms_norm_triton, rms_norm_triton
 from tinyvllm.ops.rotary import rotary_embedding_and_store_triton
@@ -22,5 +23,6 @@ KERNELS: dict[str, Callable[..., Any]] = {
     "rotary_embedding_and_store": rotary_embedding_and_store_triton,
     "silu_and_mul": silu_and_mul_triton,
     "paged_attention": paged_attention_triton,
+    "cascade_attention": cascade_attention_triton,
     "sample": sample_triton,
 }

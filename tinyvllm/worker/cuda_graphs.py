@@ -4,7 +4,9 @@ prompt tokens (PiecewiseCudaGraphs).
 A decode step of a small model is tens of kernel launches per layer: on a slow host CPU, launching them
 costs more than running them. Each batch size of a ladder gets a graph captured once, over persistent
 input buffers; a step copies its inputs into the buffers (padding rows write nowhere: slot -1, context 0)
-and replays the graph of the next size up."""
+and replays the graph of the next size up. Sizes where cascade attention may apply get a second graph, captured
+with it: a step whose sequences share a prefix (AttentionMetadata.common_prefix_len) replays that one, its
+prefix length copied into a buffer of its own."""
 
 from __future__ import annotations
 
@@ -15,12 +17,13 @@ import torch
 
 from tinyvllm import ops
 from tinyvllm.ops import AttentionMetadata
+from tinyvllm.ops.cascade_attention import CASCADE_MIN_SEQS
 
 
 class CudaGraphs:
     @torch.inference_mode()
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, cascade: bool = False) -> None:
         max_bs = min(max_num_seqs, 512)
         sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16)) + [max_bs]
         self.batch_sizes = sorted(set(sizes))
@@ -31,24 +34,28 @@ class CudaGraphs:
             context_lens=torch.zeros(max_bs, dtype=torch.int32, device=device),
             block_tables=torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int32, device=device),
             cu_query_lens=torch.arange(max_bs + 1, dtype=torch.int32, device=device),
+            common_prefix_len=torch.zeros(1, dtype=torch.int32, device=device),
         )
         b = self.buffers
         self.outputs = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.cascade_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # (captured with a common prefix)
         pool = None
         for bs in reversed(self.batch_sizes):
-            meta = AttentionMetadata(b["cu_query_lens"][: bs + 1], b["context_lens"][:bs], b["block_tables"][:bs],
-                                     b["slot_mapping"][:bs], max_query_len=1,
-                                     max_context_len=max_blocks_per_seq * block_size)
-            args = (b["input_ids"][:bs], b["positions"][:bs], meta)
-            self.outputs[:bs] = model(*args)  # warm-up: compiles the kernels outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[:bs] = model(*args)
-            pool = graph.pool()
-            self.graphs[bs] = graph
+            for shared in (False, True) if cascade and bs >= CASCADE_MIN_SEQS else (False,):
+                meta = AttentionMetadata(b["cu_query_lens"][: bs + 1], b["context_lens"][:bs],
+                                         b["block_tables"][:bs], b["slot_mapping"][:bs], max_query_len=1,
+                                         max_context_len=max_blocks_per_seq * block_size,
+                                         common_prefix_len=b["common_prefix_len"] if shared else None)
+                args = (b["input_ids"][:bs], b["positions"][:bs], meta)
+                self.outputs[:bs] = model(*args)  # warm-up: compiles the kernels outside the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[:bs] = model(*args)
+                pool = graph.pool()
+                (self.cascade_graphs if shared else self.graphs)[bs] = graph
         self.pool = pool  # (the piecewise graphs share it: no two graphs ever run at once)
-        for graph in self.graphs.values():
+        for graph in [*self.graphs.values(), *self.cascade_graphs.values()]:
             graph.replay()  # the first replay uploads the graph to the device: pay for it now, not mid-run
         torch.cuda.synchronize()
 
@@ -67,7 +74,11 @@ class CudaGraphs:
         b["context_lens"][:num_seqs] = meta.context_lens
         b["context_lens"][num_seqs:bs] = 0
         b["block_tables"][:num_seqs, : meta.block_tables.shape[1]] = meta.block_tables
-        self.graphs[bs].replay()
+        graph = self.graphs[bs]
+        if meta.common_prefix_len is not None and bs in self.cascade_graphs:
+            b["common_prefix_len"].copy_(meta.common_prefix_len)
+            graph = self.cascade_graphs[bs]
+        graph.replay()
         return self.outputs[:num_seqs]
 
 

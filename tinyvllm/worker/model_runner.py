@@ -17,6 +17,7 @@ from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.contract import SchedulerOutput
 from tinyvllm.distributed import TensorParallel
 from tinyvllm.ops import AttentionMetadata
+from tinyvllm.ops.cascade_attention import common_prefix_len, use_cascade_attention
 from tinyvllm.worker.cuda_graphs import CudaGraphs, PiecewiseCudaGraphs
 from tinyvllm.worker.input_batch import LOGPROBS, MIN_TOKENS, PENALTIES, InputBatch
 from tinyvllm.worker.kv_cache import decide_num_blocks
@@ -84,7 +85,7 @@ class ModelRunner:
         # collectives are not captured yet: tensor parallelism runs eager.)
         if device.type == "cuda" and not config.enforce_eager and ops.triton_available() and tp.size == 1:
             self.cuda_graphs = CudaGraphs(model, config.max_num_seqs, self.max_blocks_per_seq, self.block_size,
-                                          model_config.hidden_size, dtype, device)
+                                          model_config.hidden_size, dtype, device, config.cascade_attention)
             self.piecewise_graphs = PiecewiseCudaGraphs(model, config.max_num_batched_tokens, device,
                                                         self.cuda_graphs.pool)
         self.fixed_shapes = device.type == "cuda"  # (on the CPU shapes cost nothing: the batch runs as it is)
@@ -185,6 +186,11 @@ class ModelRunner:
             slots = np.pad(slots, (0, extra), constant_values=-1)
         arrays = dict(input_ids=ids, positions=positions, slot_mapping=slots, logits_indices=logits_indices,
                       cu_query_lens=cu.astype(np.int32), context_lens=ends.astype(np.int32), block_tables=tables)
+        # A decode step whose sequences share a long enough prefix of blocks reads it once (cascade attention).
+        if self.config.cascade_attention and total == n and use_cascade_attention(self.max_blocks_per_seq * bs, n):
+            prefix_len = common_prefix_len(tables, ends, bs)
+            if use_cascade_attention(prefix_len, n):
+                arrays.update(common_prefix_len=np.array([prefix_len], dtype=np.int32))
         if pending_dst:
             arrays.update(pending_dst=np.array(pending_dst, dtype=np.int64),
                           pending_src=np.array(pending_src, dtype=np.int64))
@@ -203,7 +209,8 @@ class ModelRunner:
             broadcast_step(buffer, layout, max_query_len, max_context_len, self.tp)
         meta = AttentionMetadata(cu_query_lens=t["cu_query_lens"], context_lens=t["context_lens"],
                                  block_tables=t["block_tables"], slot_mapping=t["slot_mapping"],
-                                 max_query_len=max_query_len, max_context_len=max_context_len)
+                                 max_query_len=max_query_len, max_context_len=max_context_len,
+                                 common_prefix_len=t.get("common_prefix_len"))
         needs = int(np.bitwise_or.reduce(batch.needs[sample_rows])) if len(sampled) else 0
         flags = dict(any_penalties=bool(needs & PENALTIES), any_logprobs=bool(needs & LOGPROBS),
                      any_min_tokens=bool(needs & MIN_TOKENS))
@@ -261,7 +268,7 @@ class ModelRunner:
         while (received := receive_step(self.tp, self.device)) is not None:
             t, max_query_len, max_context_len = received
             meta = AttentionMetadata(t["cu_query_lens"], t["context_lens"], t["block_tables"], t["slot_mapping"],
-                                     max_query_len, max_context_len)
+                                     max_query_len, max_context_len, common_prefix_len=t.get("common_prefix_len"))
             hidden = self.model(t["input_ids"], t["positions"], meta)
             if t["logits_indices"].numel():
                 self.model.compute_logits(hidden[t["logits_indices"]])
