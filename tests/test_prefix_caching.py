@@ -154,3 +154,44 @@ def test_lru_eviction_keeps_recently_used_blocks():
     again = Sequence(6, "y", 0, [2, 2, 2], params, 0, 0.0)
     assert len(manager.find_cached_prefix(again)) == 1  # [2, 2] survived, [1, 1] was evicted
     assert manager.find_cached_prefix(Sequence(7, "z", 0, [1, 1, 1], params, 0, 0.0)) == []
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_requests_arriving_together_compute_their_shared_prefix_once(checkpoint, prompts, async_scheduling):
+    """Eight prompts with a 70-token system prompt (four full blocks) arrive together: the first computes the
+    four blocks, the others wait for them in the cache and compute only their own tail. Without that (the
+    scheduler's share_prefix_computation off) every prompt that fits in the first step computes them too. The
+    tokens are the same either way, and no claim outlives its sequence."""
+    group = prompts["shared"]
+    runs = {}
+    for share in (True, False):
+        llm = make(checkpoint, True, async_scheduling=async_scheduling)
+        core = llm.llm_engine.engine_core
+        core.scheduler.share_prefix_computation = share
+        out = tokens(llm.generate(group, GREEDY, use_tqdm=False))
+        runs[share] = (out, core.scheduler.num_prompt_tokens, llm.llm_engine.get_stats()["prefix_cache_hits"])
+        assert core.block_manager.claimed == {}
+        core.block_manager.check_whole()
+    (shared_out, shared_computed, shared_hits), (plain_out, plain_computed, plain_hits) = runs[True], runs[False]
+    assert shared_out == plain_out
+    total = sum(len(p) for p in group)
+    assert shared_hits == 64 * (len(group) - 1) and shared_computed == total - shared_hits
+    assert plain_hits == 0 and plain_computed == total  # (all eight fit in the first step: none found it cached)
+
+
+def test_a_request_waiting_for_a_claimed_prefix_runs_once_its_claimant_is_gone(checkpoint, prompts):
+    """The sequence computing the shared blocks is aborted before they are cached: the one waiting for them
+    must not wait for ever, and computes them itself."""
+    llm = make(checkpoint, True)
+    engine = llm.llm_engine
+    first, second = prompts["shared"][:2]
+    engine.add_request("first", first, GREEDY)
+    engine.add_request("second", second, GREEDY)
+    core = engine.engine_core
+    step = core.scheduler.schedule()  # the first is admitted and claims the system prompt's blocks
+    assert len(step.seq_ids) == 1 and core.block_manager.claimed
+    assert [s.request_id for s in core.scheduler.waiting] == ["second"]
+    engine.abort_request("first")
+    assert core.block_manager.claimed == {}
+    step = core.scheduler.schedule()
+    assert [core.scheduler.seqs[i].request_id for i in step.seq_ids] == ["second"]

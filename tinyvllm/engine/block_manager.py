@@ -3,7 +3,10 @@
 A full block is identified by a hash of its tokens chained with the previous block's hash, so equal
 hashes mean equal prefixes; the tokens are compared too, so a hash collision cannot give wrong output.
 Blocks are reference counted; a block whose count drops to zero keeps its contents and hash and
-waits in the free queue, least recently used first, until a new block is needed."""
+waits in the free queue, least recently used first, until a new block is needed.
+
+A sequence that starts computing prompt blocks nobody has cached claims them until they are cached: a request
+that arrives with the same prefix meanwhile can wait for them (Scheduler) instead of computing them again."""
 
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached_blocks: dict[int, int] = {}  # hash -> block id
+        self.claimed: dict[int, int] = {}  # hash of a block being computed -> how many sequences compute it
         self.prefix_cache_queries = 0  # prompt tokens looked up in the cache
         self.prefix_cache_hits = 0  # of those, tokens found
 
@@ -66,6 +70,36 @@ class BlockManager:
                 break  # a hash collision: not our prefix
             found.append(block_id)
         return found
+
+    def is_being_computed(self, seq: Sequence, num_cached_blocks: int) -> bool:
+        """Whether the full block after seq's cached prefix (num_cached_blocks, from find_cached_prefix) is one
+        that a running sequence has claimed: it will be in the cache within a step or a few."""
+        i = num_cached_blocks
+        return bool(self.claimed) and i < len(seq.block_hashes) and seq.block_hashes[i] in self.claimed
+
+    def claim(self, seq: Sequence, first: int) -> None:
+        """seq, just given its blocks, computes its full prompt blocks from `first` on (those after its cached
+        prefix): claim them until they are cached (cache_computed_blocks) or seq lets go of its blocks (free)."""
+        if not self.enable_prefix_caching:
+            return
+        last = (seq.num_tokens - 1) // self.block_size  # (find_cached_prefix's limit: it hashed these)
+        self._hash_full_blocks(seq, last)
+        for i in range(first, last):
+            h = seq.block_hashes[i]
+            self.claimed[h] = self.claimed.get(h, 0) + 1
+        seq.claimed_blocks = (first, max(first, last))
+
+    def _release(self, seq: Sequence, upto: int) -> None:
+        """Drop seq's claims on its blocks before `upto`."""
+        first, last = seq.claimed_blocks
+        end = min(upto, last)
+        for i in range(first, end):
+            h = seq.block_hashes[i]
+            if self.claimed[h] == 1:
+                del self.claimed[h]
+            else:
+                self.claimed[h] -= 1
+        seq.claimed_blocks = (max(first, end), last)
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] | None = None) -> bool:
         """Give seq enough blocks for num_new_tokens more tokens, taking `cached` prefix blocks first.
@@ -104,6 +138,7 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
+        self._release(seq, seq.claimed_blocks[1])
         seq.block_table = []
         seq.num_registered_blocks = 0
 
@@ -126,6 +161,8 @@ class BlockManager:
             block.token_ids = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             self.cached_blocks.setdefault(block.hash, block.block_id)
         seq.num_registered_blocks = num_full
+        if seq.claimed_blocks[0] < num_full:
+            self._release(seq, num_full)
 
     def _hash_full_blocks(self, seq: Sequence, num_blocks: int) -> None:
         for i in range(len(seq.block_hashes), num_blocks):

@@ -3,7 +3,10 @@ with the step's sampled tokens, which sequences they finish.
 
 Each step has a token budget (max_num_batched_tokens). Running sequences go first, oldest first: a
 decode takes one token, an unfinished prompt takes the next chunk that fits. Then, budget and seat
-limits permitting, waiting sequences are admitted (continuous batching). When the KV pool runs dry,
+limits permitting, waiting sequences are admitted (continuous batching); one whose prompt continues with a
+block that a running sequence is computing right now waits for that block to reach the prefix cache, rather
+than computing it again (requests that arrive together with one long shared prompt compute it once, as
+SGLang's scheduler does). When the KV pool runs dry,
 the youngest running sequence is preempted: its blocks are freed and it goes back to the front of
 the queue, to be recomputed later, so no request is ever dropped.
 
@@ -29,12 +32,13 @@ from tinyvllm.engine.sequence import Sequence, SequenceStatus
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, policy: str = "continuous") -> None:
+                 max_model_len: int, policy: str = "continuous", share_prefix_computation: bool = True) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.policy = policy
+        self.share_prefix_computation = share_prefix_computation  # (off: what tests compare it against)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}  # every unfinished sequence, by id
@@ -107,11 +111,16 @@ class Scheduler:
         # Admit no one in a step that had to preempt: the pool is already short.
         if self.policy == "continuous" and not preempted:
             now = time.time()
+            deferred: list[Sequence] = []  # (they keep their places in the queue)
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
                 if seq.num_output_placeholders:
                     break
-                num_new = self._try_allocate(seq, budget)
+                cached = self.block_manager.find_cached_prefix(seq)
+                if self.share_prefix_computation and self.block_manager.is_being_computed(seq, len(cached)):
+                    deferred.append(self.waiting.popleft())
+                    continue
+                num_new = self._try_allocate(seq, budget, cached)
                 if num_new is None:
                     break
                 self.waiting.popleft()
@@ -119,6 +128,7 @@ class Scheduler:
                 scheduled.append(seq)
                 out.num_new_tokens.append(num_new)
                 budget -= num_new
+            self.waiting.extendleft(reversed(deferred))
         if scheduled:  # (an empty batch reaches no model runner: the freed ids wait for the next one)
             out.finished_seq_ids, self._freed = self._freed, []
             self._describe(out, scheduled)
@@ -162,20 +172,25 @@ class Scheduler:
             free -= need
             self._start_running(self.waiting.popleft(), now)
 
-    def _try_allocate(self, seq: Sequence, budget: int) -> int | None:
+    def _try_allocate(self, seq: Sequence, budget: int, cached: list[int] | None = None) -> int | None:
         """Blocks for seq's next chunk (at most `budget` tokens); its size, or None if the pool is short.
-        A sequence without blocks first takes what the prefix cache holds of it."""
+        A sequence without blocks first takes what the prefix cache holds of it (`cached`, if looked up
+        already), and claims the full prompt blocks after that, which it computes."""
         if seq.block_table:  # the common case, a decode whose token fits in its last block: nothing to do
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if seq.num_computed_tokens + num_new <= len(seq.block_table) * self.block_manager.block_size:
                 return num_new
-        cached: list[int] = []
-        if not seq.block_table:
+        starting = not seq.block_table
+        if not starting:
+            cached = []
+        elif cached is None:
             cached = self.block_manager.find_cached_prefix(seq)
         num_computed = max(seq.num_computed_tokens, len(cached) * self.block_manager.block_size)
         num_new = min(seq.num_tokens - num_computed, budget)
         if not self.block_manager.allocate(seq, num_new, cached):
             return None
+        if starting:
+            self.block_manager.claim(seq, len(cached))
         if not seq.num_computed_tokens and seq.num_preemptions == 0:
             self.block_manager.record_prefix_lookup(seq.num_prompt_tokens, num_computed)
             seq.num_cached_tokens = num_computed

@@ -38,6 +38,9 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks, filled as they complete
         self.num_registered_blocks = 0  # leading blocks of block_table already offered to the prefix cache
+        # Its full prompt blocks [first, last) that no other sequence had cached or claimed when it started, which
+        # it claims as the one computing them (BlockManager.claim) until they are cached or it lets go of them.
+        self.claimed_blocks = (0, 0)
         self.num_sent_blocks = -1  # blocks the model runner knows of; -1: it does not hold the sequence
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
