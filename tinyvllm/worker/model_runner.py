@@ -176,9 +176,8 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         batch = self.input_batch
         if inputs.sampled_seq_ids:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            output = self.sampler(logits, inputs.sampling, batch, inputs.sampled_rows, inputs.sampled_seq_ids,
-                                  batch.record_tokens, timer)
+            output = self.sample(hidden[inputs.logits_indices], inputs.sampling, inputs.sampled_rows,
+                                 inputs.sampled_seq_ids, timer)
             batch.num_tokens[inputs.sampled_rows] += 1  # the tokens in flight count from now on
         else:
             if timer is not None:
@@ -187,6 +186,19 @@ class ModelRunner:
             output = AsyncModelRunnerOutput([], empty, empty, None, None, None, False, None, timer)
         self._last_output = output
         return output
+
+    def sample(self, hidden: torch.Tensor, sampling: SamplingTensors, rows: np.ndarray, seq_ids: list[int],
+               timer: tuple[torch.cuda.Event, torch.cuda.Event] | None = None) -> AsyncModelRunnerOutput:
+        """The next token of each row of `hidden` (the sampled positions' hidden states; row i is the input
+        batch's row rows[i], sequence seq_ids[i]). A step that only needs greedy tokens takes them from the
+        model's fused LM head where it applies, which writes no logits; otherwise the logits go to the sampler."""
+        batch = self.input_batch
+        if not sampling.needs_logits:
+            token_ids = self.model.greedy_tokens(hidden)
+            if token_ids is not None:
+                return self.sampler.output(token_ids, sampling, batch, rows, seq_ids, batch.record_tokens, timer)
+        logits = self.model.compute_logits(hidden)
+        return self.sampler(logits, sampling, batch, rows, seq_ids, batch.record_tokens, timer)
 
     # ---- tensor parallelism: rank 0 sends each step, the other ranks run it ---------------------------
     def stop_workers(self) -> None:
