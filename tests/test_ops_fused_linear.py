@@ -159,3 +159,60 @@ def test_dispatch_on_cpu_is_the_reference() -> None:
     torch.testing.assert_close(ops.fused_linear(x, w), fused_linear_ref(x, w))
     assert torch.equal(ops.linear_argmax(x, w), linear_argmax_ref(x, w))
     assert not any(ops.use_decode_kernel(product, x) for product in ops.DECODE_KERNEL_MAX_ROWS)
+
+
+# Compiles the kernel for Hopper (sm_90) with Triton's own compiler, which needs no GPU, in a process without the
+# interpreter: the interpreter runs the kernel as Python, so what only the compiler refuses (a branch that is not
+# static, mismatched types between branches) would first show on the device. Prints "compiled N".
+COMPILE_FOR_HOPPER = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tinyvllm.ops.fused_linear import _fused_linear_kernel
+
+ints = ["M", "N", "K", "stride_x", "stride_r", "stride_nr", "stride_y", "stride_w", "k_per_split"]
+pointers = ["y_ptr", "x_ptr", "w_ptr", "residual_ptr", "new_residual_ptr", "norm_weight_ptr", "partial_ptr",
+            "counter_ptr", "keys_ptr"]
+count = 0
+for dtype, block_m, block_n, split, k_contiguous, norm, silu, argmax in json.loads(sys.argv[1]):
+    types = {name: "*" + dtype for name in pointers}
+    types.update(partial_ptr="*fp32", counter_ptr="*i32", keys_ptr="*i64")
+    if argmax:
+        types["y_ptr"] = "*i64"
+    signature = {**types, **{name: "i32" for name in ints}, "eps": "fp32"}
+    constants = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, NORM_BLOCK=max(4096 // block_m, 16),
+                     SPLIT_K=split, W_K_CONTIGUOUS=k_contiguous, NORM=norm, HAS_RESIDUAL=norm, SILU_MUL=silu,
+                     ARGMAX=argmax, PRECISION="ieee" if dtype == "fp32" else "tf32", USE_PDL=True)
+    signature.update({name: "constexpr" for name in constants})
+    names = list(signature)
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers + ints[1:]}  # as the JIT sees them
+    source = ASTSource(_fused_linear_kernel, signature, constants, aligned)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    ptx = compiled.asm["ptx"]
+    assert "griddepcontrol.wait" in ptx, "no PDL wait"
+    assert not argmax or "max.s64" in ptx, "no 64-bit atomic max"
+    count += 1
+print("compiled", count)
+"""
+HOPPER_CASES = [  # dtype, BLOCK_M, BLOCK_N, split, W k-contiguous, norm, silu_and_mul, argmax
+    ("bf16", 16, 64, 4, False, True, False, False),  # qkv: norm prologue, split K
+    ("bf16", 16, 32, 2, False, True, True, False),  # gate_up: norm, SiLU·mul, split K
+    ("bf16", 1, 16, 1, True, False, False, True),  # the LM head at M = 1: GEMV, argmax
+    ("fp32", 64, 64, 1, False, False, False, True),  # an untied LM head at 64 rows, float32
+]
+
+
+def test_kernels_compile_for_hopper() -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if not hasattr(__import__("triton"), "compile"):
+        pytest.skip("this Triton has no triton.compile")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER, json.dumps(HOPPER_CASES)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and f"compiled {len(HOPPER_CASES)}" in proc.stdout, proc.stderr[-3000:]

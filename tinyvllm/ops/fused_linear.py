@@ -109,8 +109,10 @@ if triton is not None:
     def _multiply_add(acc, activation, w, GEMV: tl.constexpr, PRECISION: tl.constexpr):
         """GEMV: acc[k, n] += w[k, n] * x[k] (activation [BLOCK_K, 1]); else acc += activation @ w."""
         if GEMV:
-            return acc + w.to(tl.float32) * activation.to(tl.float32)
-        return tl.dot(activation, w, acc, input_precision=PRECISION)
+            acc = acc + w.to(tl.float32) * activation.to(tl.float32)
+        else:
+            acc = tl.dot(activation, w, acc, input_precision=PRECISION)
+        return acc
 
     @triton.jit
     def _store_product(y_ptr, acc, acc_up, rows, cols, M, N, stride_y, SILU_MUL: tl.constexpr):
@@ -166,7 +168,7 @@ if triton is not None:
         SPLIT_K: tl.constexpr, W_K_CONTIGUOUS: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
         SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
     ):
-        GEMV: tl.constexpr = BLOCK_M == 1
+        GEMV: tl.constexpr = BLOCK_M == 1  # the CUDA-core path
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -200,8 +202,9 @@ if triton is not None:
                               rows, inv_rms_2d, residual_rows, M, K, stride_x, stride_r, stride_nr,
                               BLOCK_K, NORM, HAS_RESIDUAL, SILU_MUL, GEMV, PRECISION)
         for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-            w, w_up = _weight_tiles(w_cols, up_shift, w_k_stride, k0, offs_n, N, K, BLOCK_K, SILU_MUL)
-            acc, acc_up = _k_step(acc, acc_up, w, w_up, k0, x_ptr, residual_ptr, new_residual_ptr, norm_weight_ptr,
+            # (new names: only the accumulators are carried from one step to the next)
+            w_k, w_up_k = _weight_tiles(w_cols, up_shift, w_k_stride, k0, offs_n, N, K, BLOCK_K, SILU_MUL)
+            acc, acc_up = _k_step(acc, acc_up, w_k, w_up_k, k0, x_ptr, residual_ptr, new_residual_ptr, norm_weight_ptr,
                                   rows, inv_rms_2d, residual_rows, M, K, stride_x, stride_r, stride_nr,
                                   BLOCK_K, NORM, HAS_RESIDUAL, SILU_MUL, GEMV, PRECISION)
         if GEMV:
@@ -299,6 +302,9 @@ def _launch(
             config = config._replace(block_n=config.block_n // 2)
         if argmax:
             config = config._replace(split_k=1)  # (the vocabulary gives programs enough)
+        if x.dtype == torch.float32 and config.block_m >= 64:
+            # (three float32 stages of 64-row tiles, with the norm, fill a Hopper SM's shared memory)
+            config = config._replace(num_stages=2)
     assert config.block_m > 1 or m == 1, "the GEMV path (block_m == 1) takes one row"
     assert not (argmax and config.split_k > 1), "the argmax reduces over column tiles, never split K"
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
