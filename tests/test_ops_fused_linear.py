@@ -216,3 +216,4 @@ def test_kernels_compile_for_hopper() -> None:
     proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER, json.dumps(HOPPER_CASES)], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and f"compiled {len(HOPPER_CASES)}" in proc.stdout, proc.stderr[-3000:]
+

@@ -313,7 +313,9 @@ def _launch(
     partial = out
     if split > 1:
         partial = torch.empty((split, m, 2 * n if silu_and_mul else n), dtype=torch.float32, device=x.device)
-    counters = _counters(x.device, grid[0] * grid[2]) if split > 1 or argmax else out
+    # (the argmax counts arrivals per m tile, the split-K reduce per output tile; both fit the buffer linear.py sizes
+    # at first use, so that it is never replaced under CUDA graphs that captured it)
+    counters = _counters(x.device, grid[2] if argmax else grid[0] * grid[2]) if split > 1 or argmax else out
     keys = _argmax_keys(x.device, m) if argmax else out
     norm_block = min(triton.next_power_of_2(k), max(_NORM_ELEMENTS // config.block_m, 16))
     nres = new_residual if new_residual is not None else x2
