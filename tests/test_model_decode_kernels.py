@@ -40,7 +40,8 @@ def test_cpu_path_never_uses_the_decode_kernels(checkpoint: str, monkeypatch: py
 def test_forced_decode_kernels_match_the_separate_ops(checkpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every product on the fused kernels (the interpreter runs them on CPU tensors): the first layer's norm
     without a residual, the residual stream between layers, gate_up's SiLU·mul, o and down plain, and the greedy
-    step through the LM head's argmax (ModelRunner.sample) give the hidden states and tokens of the plain path."""
+    step through the LM head's argmax (ModelRunner.sample, with its rows padded as on CUDA too: three sequences on
+    four rows) give the hidden states and tokens of the plain path."""
     pytest.importorskip("triton")
     from tinyvllm.ops.fused_linear import fused_linear_triton, fused_norm_linear_triton, linear_argmax_triton
 
@@ -48,6 +49,8 @@ def test_forced_decode_kernels_match_the_separate_ops(checkpoint: str, monkeypat
     model = llm.llm_engine.engine_core.model_runner.model
     plain_logits = our_logits(llm, PROMPT)
     plain_tokens = _greedy(llm)
+    plain_others = [list(o.outputs[0].token_ids) for o in llm.generate([PROMPT[:3], PROMPT[1:]], GREEDY,
+                                                                       use_tqdm=False)]
 
     calls: list[str] = []
 
@@ -71,3 +74,6 @@ def test_forced_decode_kernels_match_the_separate_ops(checkpoint: str, monkeypat
     calls.clear()
     assert _greedy(llm) == plain_tokens
     assert calls.count("linear_argmax") == NUM_TOKENS  # every step's token from the LM head's argmax
+    llm.llm_engine.engine_core.model_runner.fixed_shapes = True  # (as on CUDA: the LM head's rows padded)
+    assert [list(o.outputs[0].token_ids) for o in llm.generate([PROMPT, PROMPT[:3], PROMPT[1:]], GREEDY,
+                                                               use_tqdm=False)] == [plain_tokens, *plain_others]

@@ -207,3 +207,28 @@ def test_greedy_bfloat16_paths_reported(greedy_runs: GreedyRuns, pair: tuple[str
     same, detail = agreement(greedy_runs.get("bfloat16", a)["tokens"], greedy_runs.get("bfloat16", b)["tokens"])
     if not same:
         pytest.xfail(f"bf16 greedy {a} vs {b} (a flip at a near-tie is expected): {detail}")
+
+
+# ------------------------------------------------------------------------------------------ fixed shapes
+
+
+def test_padded_shapes_change_no_token(llama_1b: str) -> None:
+    """float32: a first step past the graphs' 2,048 tokens (run padded to a multiple of 256) and the LM head's
+    rows padded up their ladder give the tokens of the same steps run unpadded (prefix caching off, so that
+    both runs take the same steps)."""
+    from tinyvllm import LLM, SamplingParams
+
+    llm = LLM(llama_1b, dtype="float32", skip_tokenizer_init=True, max_model_len=4096, gpu_memory_utilization=0.3,
+              max_num_seqs=16, max_num_batched_tokens=4096, enable_prefix_caching=False)
+    try:
+        prompts = [[(i * 31 + j * 7) % 10000 for j in range(n)] for i, n in enumerate((2100, 9, 300))]
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        runner = llm.llm_engine.engine_core.model_runner
+        assert runner.fixed_shapes
+        padded = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        runner.fixed_shapes = False
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert padded == plain
+    finally:
+        del llm
+        free_gpu_memory()

@@ -25,6 +25,28 @@ from tinyvllm.worker.staging import Staging, broadcast_step, broadcast_stop, rec
 
 logger = logging.getLogger(__name__)
 
+# cuBLAS chooses a kernel per matrix shape, and the first use of a shape costs a heuristic query (~0.3 ms of host
+# time) and may load a kernel module, which waits for the whole device: mid-step, that stalls the host behind the
+# step before (async scheduling). So on CUDA the runner keeps its products to a fixed set of shapes, each met once
+# at start-up: the LM head's rows are padded up a ladder, and steps too large for the CUDA graphs (which fix their
+# shapes themselves) are padded to a multiple of EAGER_TOKEN_MULTIPLE tokens. Padding tokens store no K/V (slot
+# -1) and belong to no sequence; every op but attention works row by row, so they never touch the real rows.
+EAGER_TOKEN_MULTIPLE = 256
+EAGER_PADDING_ABOVE = 2048  # tokens: smaller steps run through the graphs, or are left as they are (eager mode)
+
+
+def logits_row_ladder(max_num_seqs: int) -> list[int]:
+    """The LM head's row counts (a step samples at most one row per sequence): 1, 2, 4, 8, then every 16."""
+    return sorted({r for r in (1, 2, 4, 8) if r < max_num_seqs} | set(range(16, max_num_seqs, 16)) | {max_num_seqs})
+
+
+def padded_num_tokens(num_tokens: int, max_num_batched_tokens: int) -> int:
+    """The token count a step is run at outside the CUDA graphs (see EAGER_TOKEN_MULTIPLE)."""
+    if num_tokens <= EAGER_PADDING_ABOVE:
+        return num_tokens
+    rounded = -(-num_tokens // EAGER_TOKEN_MULTIPLE) * EAGER_TOKEN_MULTIPLE
+    return max(num_tokens, min(rounded, max_num_batched_tokens))
+
 
 @dataclass
 class ModelInput:
@@ -32,7 +54,8 @@ class ModelInput:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the hidden states whose next token is sampled
-    sampled_rows: np.ndarray  # the input batch's rows of the sequences that sample, in that order
+    sampled_rows: np.ndarray  # the input batch's rows of the sequences that sample, in that order (logits_indices
+    # may have more: padding rows, whose logits are dropped)
     sampled_seq_ids: list[int]
     sampling: SamplingTensors
 
@@ -64,8 +87,36 @@ class ModelRunner:
                                           model_config.hidden_size, dtype, device)
             self.piecewise_graphs = PiecewiseCudaGraphs(model, config.max_num_batched_tokens, device,
                                                         self.cuda_graphs.pool)
+        self.fixed_shapes = device.type == "cuda"  # (on the CPU shapes cost nothing: the batch runs as it is)
+        self.logits_rows = logits_row_ladder(config.max_num_seqs)
+        if self.fixed_shapes and tp.size == 1:  # (with several ranks a warm-up would need them all)
+            self._warm_up_shapes()
+
+    @torch.inference_mode()
+    def _warm_up_shapes(self) -> None:
+        """Run every shape the padding can produce once, so that none is new mid-run: the LM head at each
+        row count, and a forward pass (attention left out: it has no cuBLAS product) at each padded size."""
+        hidden_size = self.model_config.hidden_size
+        for rows in self.logits_rows:
+            hidden = torch.zeros(rows, hidden_size, dtype=self.dtype, device=self.device)
+            self.model.compute_logits(hidden)
+            self.model.greedy_tokens(hidden)  # (the fused LM head, where it applies: compiled now, not mid-run)
+        empty = torch.zeros(1, dtype=torch.int32, device=self.device)
+        sizes = sorted({padded_num_tokens(n, self.config.max_num_batched_tokens)
+                        for n in range(EAGER_PADDING_ABOVE + 1, self.config.max_num_batched_tokens + 1)})
+        for n in sizes:
+            tokens = torch.zeros(n, dtype=torch.int64, device=self.device)
+            meta = AttentionMetadata(empty, empty, empty.view(1, 1), torch.full_like(tokens, -1), 1, 1,
+                                     attention=lambda q, *_: torch.zeros_like(q))
+            self.model(tokens, tokens, meta)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
     # ---- one step ---------------------------------------------------------------------------------
+    def _runs_in_graphs(self, num_tokens: int) -> bool:
+        """A step with prompt tokens that the piecewise graphs take (at their own padded sizes)."""
+        return self.piecewise_graphs is not None and self.piecewise_graphs.fits(num_tokens)
+
     def _update_states(self, step: SchedulerOutput) -> None:
         batch = self.input_batch
         for seq_id in step.finished_seq_ids:
@@ -114,6 +165,14 @@ class ModelRunner:
                 pending_dst.append(int(cu[i + 1]) - 1)
                 pending_src.append(prev.row_of[step.seq_ids[i]])
         sampled = np.flatnonzero(ends == batch.num_tokens[rows])
+        logits_indices = cu[1:][sampled] - 1
+        padded = total
+        if self.fixed_shapes:
+            if len(sampled):
+                num_rows = next(r for r in self.logits_rows if r >= len(sampled))
+                logits_indices = np.pad(logits_indices, (0, num_rows - len(sampled)))  # (row 0: any row will do)
+            if total > n and not self._runs_in_graphs(total):
+                padded = padded_num_tokens(total, self.config.max_num_batched_tokens)
         sample_rows = rows[sampled]
         sampled_seq_ids = [step.seq_ids[i] for i in sampled.tolist()]
         temperature = batch.temperature[sample_rows]
@@ -121,9 +180,13 @@ class ModelRunner:
         all_greedy = bool(greedy.all())
         # The model's fields, then only when the step needs them (each costs host time on a slow CPU) the places
         # of the inputs in flight and the sampling parameters.
-        arrays = dict(input_ids=np.array(input_ids, dtype=np.int64), positions=positions, slot_mapping=slots,
-                      logits_indices=cu[1:][sampled] - 1, cu_query_lens=cu.astype(np.int32),
-                      context_lens=ends.astype(np.int32), block_tables=tables)
+        ids = np.array(input_ids, dtype=np.int64)
+        if padded > total:
+            extra = padded - total
+            ids, positions = np.pad(ids, (0, extra)), np.pad(positions, (0, extra))
+            slots = np.pad(slots, (0, extra), constant_values=-1)
+        arrays = dict(input_ids=ids, positions=positions, slot_mapping=slots, logits_indices=logits_indices,
+                      cu_query_lens=cu.astype(np.int32), context_lens=ends.astype(np.int32), block_tables=tables)
         if pending_dst:
             arrays.update(pending_dst=np.array(pending_dst, dtype=np.int64),
                           pending_src=np.array(pending_src, dtype=np.int64))
@@ -170,7 +233,7 @@ class ModelRunner:
         graphs, pieces = self.cuda_graphs, self.piecewise_graphs
         if inputs.meta.is_decode and graphs is not None and graphs.fits(len(step.seq_ids)):
             hidden = graphs.replay(inputs.input_ids, inputs.positions, inputs.meta)
-        elif pieces is not None and pieces.fits(inputs.input_ids.shape[0]):
+        elif self._runs_in_graphs(inputs.input_ids.shape[0]):
             hidden = pieces.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
@@ -189,15 +252,16 @@ class ModelRunner:
 
     def sample(self, hidden: torch.Tensor, sampling: SamplingTensors, rows: np.ndarray, seq_ids: list[int],
                timer: tuple[torch.cuda.Event, torch.cuda.Event] | None = None) -> AsyncModelRunnerOutput:
-        """The next token of each row of `hidden` (the sampled positions' hidden states; row i is the input
-        batch's row rows[i], sequence seq_ids[i]). A step that only needs greedy tokens takes them from the
-        model's fused LM head where it applies, which writes no logits; otherwise the logits go to the sampler."""
-        batch = self.input_batch
+        """The next token of each sequence from the sampled positions' hidden states: row i of `hidden` is the
+        input batch's row rows[i], sequence seq_ids[i], and rows past len(seq_ids) are padding (the LM head's
+        fixed shapes), dropped. A step that only needs greedy tokens takes them from the model's fused LM head
+        where it applies, which writes no logits; otherwise the logits go to the sampler."""
+        batch, n = self.input_batch, len(seq_ids)
         if not sampling.needs_logits:
             token_ids = self.model.greedy_tokens(hidden)
             if token_ids is not None:
-                return self.sampler.output(token_ids, sampling, batch, rows, seq_ids, batch.record_tokens, timer)
-        logits = self.model.compute_logits(hidden)
+                return self.sampler.output(token_ids[:n], sampling, batch, rows, seq_ids, batch.record_tokens, timer)
+        logits = self.model.compute_logits(hidden)[:n]
         return self.sampler(logits, sampling, batch, rows, seq_ids, batch.record_tokens, timer)
 
     # ---- tensor parallelism: rank 0 sends each step, the other ranks run it ---------------------------
