@@ -431,9 +431,10 @@ def test_fused_layer_chain_in_cuda_graph(m: int) -> None:
     counters and the argmax keys are reset by the kernels)."""
     dtype = torch.bfloat16
     generator, seed = fresh_generator()
-    w_qkv = input_major(2048, 2048, generator, dtype)  # square, so that o_proj can take its output
-    w_o, w_gate_up = input_major(2048, 2048, generator, dtype), input_major(2 * INTERMEDIATE, 2048, generator, dtype)
-    w_down, w_head = input_major(2048, INTERMEDIATE, generator, dtype), lm_head_weight(generator, dtype, tied=True)
+    w_qkv = input_major(HIDDEN, HIDDEN, generator, dtype)  # square, so that o_proj can take its output
+    w_o = input_major(HIDDEN, HIDDEN, generator, dtype)
+    w_gate_up = input_major(2 * INTERMEDIATE, HIDDEN, generator, dtype)
+    w_down, w_head = input_major(HIDDEN, INTERMEDIATE, generator, dtype), lm_head_weight(generator, dtype, tied=True)
     norm1, norm2 = (1 + 0.1 * rand(HIDDEN, generator=generator, dtype=dtype) for _ in range(2))
     x, residual = torch.empty(m, HIDDEN, dtype=dtype, device=DEVICE), torch.empty(m, HIDDEN, dtype=dtype, device=DEVICE)
 
