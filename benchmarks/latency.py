@@ -56,7 +56,7 @@ def step_breakdown(llm, prompt_len: int, output_len: int,
     """Where a decode step's time goes, from the engine's StepStats (LLMEngine.add_step_callback), over the
     steps that only decode: the host time of each phase, the rest of the step's wall-clock period, and with
     record_gpu_time each step's device time (CUDA events); then, on one GPU, the device time of a batch-1
-    decode through the model runner's CUDA graphs and of the LM head + the sampler's greedy path. Returns
+    decode through the model runner's CUDA graphs and of its greedy sampling (decode_gpu_ms). Returns
     the figures (ms, means per step) and the number of decode steps.
 
     A step's period runs from the callback of the step before to its own. With async scheduling a step is
