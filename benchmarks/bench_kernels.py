@@ -15,11 +15,17 @@
 - with --gemv, alone: the skinny matmul (tinyvllm/ops/linear.py) at M = 1..64 on the five Llama-3.2-1B
   products, in the layouts and calls the model uses, vs cuBLAS and the copy ceiling, 16 distinct weights per
   shape replayed in a CUDA graph (as the 16 layers run: nothing served from the 50 MB L2); first a bf16
-  correctness check of every case against float64, fresh random inputs each run.
+  correctness check of every case against float64, fresh random inputs each run;
+- with --fused, alone: the fused decode kernels (tinyvllm/ops/fused_linear.py) at M = 1..64, each against what
+  the model runs without them (qkv: fused add+RMSNorm then cuBLAS; gate_up: the norm, cuBLAS, SiLU-and-mul;
+  o and down: cuBLAS; the LM head: cuBLAS logits then the sampler's greedy argmax), beside linear.py's plain
+  product and the copy ceiling, timed as --gemv times (16 weights per shape in a CUDA graph); first a bf16
+  check against float32 references, then the crossover per product (the rows of ops.DECODE_KERNEL_MAX_ROWS).
 
     python benchmarks/bench_kernels.py [--quick] [--sweep [prefill|decode|rms_norm] [--sweep-only]]
     python benchmarks/bench_kernels.py --gemv [--gemv-sweep]
     python benchmarks/bench_kernels.py --cascade [--sweep cascade]
+    python benchmarks/bench_kernels.py --fused
 
 --sweep also times alternative launch configurations: attention tiles, warps, stages and splits; RMSNorm
 rows per program and warps beside a copy with the same grid; without --quick, sampling chunk sizes.
@@ -30,6 +36,7 @@ matmul tiles, splits, warps and split-K reduces (compiled first in parallel work
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -37,7 +44,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -67,6 +74,13 @@ from tinyvllm.ops.cascade_attention import (  # noqa: E402
     cascade_plan,
     cascade_prefix_config,
 )
+from tinyvllm.ops.fused_linear import (  # noqa: E402
+    fused_linear_ref,
+    fused_linear_triton,
+    fused_norm_linear_ref,
+    fused_norm_linear_triton,
+    linear_argmax_triton,
+)
 from tinyvllm.ops.layernorm import (  # noqa: E402
     _launch_rms_norm,
     fused_add_rms_norm_ref,
@@ -88,6 +102,7 @@ from tinyvllm.ops.rotary import (  # noqa: E402
     rotary_embedding_and_store_triton,
 )
 from tinyvllm.ops.sampling import sample_ref, sample_triton  # noqa: E402
+from tinyvllm.worker.sampler import _KERNEL_GREEDY_MAX_ROWS  # noqa: E402
 
 DEVICE = torch.device("cuda")
 DTYPE = torch.bfloat16
@@ -864,6 +879,186 @@ def run_gemv(sweep_configs: bool) -> int:
     return 0 if ok else 1
 
 
+# ------------------------------------------------------------------------------------- fused decode kernels
+
+FUSED_EPS = 1e-5
+
+
+def fused_inputs(name: str, m: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """x [M, K] (and for the norm products the residual and the norm's weight), as the layer passes them."""
+    n, k = GEMV_SHAPES[name]
+    inputs = {"x": torch.randn(m, k, device=DEVICE, dtype=DTYPE, generator=generator)}
+    if name in ("qkv", "gate_up"):
+        inputs["residual"] = torch.randn(m, k, device=DEVICE, dtype=DTYPE, generator=generator)
+        inputs["norm_weight"] = 1 + 0.1 * torch.randn(k, device=DEVICE, dtype=DTYPE, generator=generator)
+    return inputs
+
+
+def fused_ours(name: str) -> Callable[[dict[str, torch.Tensor], torch.Tensor], object]:
+    """The product as the model runs it on the fused kernels."""
+    if name == "lm_head":
+        return lambda a, w: linear_argmax_triton(a["x"], w)
+    if name in ("qkv", "gate_up"):
+        return lambda a, w: fused_norm_linear_triton(a["x"], a["residual"], a["norm_weight"], FUSED_EPS, w,
+                                                     name == "gate_up")
+    return lambda a, w: fused_linear_triton(a["x"], w)
+
+
+def fused_peer(name: str) -> Callable[[dict[str, torch.Tensor], torch.Tensor], object]:
+    """The same step as the model runs it without the fused kernels: cuBLAS and our separate Triton kernels."""
+    if name == "lm_head":
+        greedy_rows: dict[int, tuple[torch.Tensor, ...]] = {}  # (kept, as the Sampler keeps them: not timed)
+
+        def greedy(a: dict[str, torch.Tensor], w: torch.Tensor) -> torch.Tensor:
+            logits = torch.matmul(a["x"], w.t())
+            rows = logits.shape[0]
+            if rows > _KERNEL_GREEDY_MAX_ROWS:
+                return logits.argmax(dim=-1)
+            if rows not in greedy_rows:
+                zeros = torch.zeros(rows, device=DEVICE)
+                index = torch.zeros(rows, dtype=torch.int64, device=DEVICE)
+                greedy_rows[rows] = (zeros, index, torch.ones_like(zeros), zeros, index)
+            return sample_triton(logits, *greedy_rows[rows], False, 0, False)
+        return greedy
+    if name in ("qkv", "gate_up"):
+        def norm_then_product(a: dict[str, torch.Tensor], w: torch.Tensor) -> object:
+            normed, residual = fused_add_rms_norm_triton(a["x"], a["residual"], a["norm_weight"], FUSED_EPS)
+            y = F.linear(normed, w)
+            return (silu_and_mul_triton(y) if name == "gate_up" else y), residual
+        return norm_then_product
+    return lambda a, w: F.linear(a["x"], w)
+
+
+def fused_check() -> bool:
+    """Every product and M in bf16 against the float32 reference of the same (rounded) inputs: ||y - ref|| /
+    ||ref|| (and the new residual's) beside the peer's, outputs poisoned with NaN; the LM head's tokens must have
+    the reference's largest logit up to rounding. Then a CUDA graph replay, twice, bit-identical to the eager
+    call (split-K counters and argmax keys are reset by the kernels)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    generator = torch.Generator(device=DEVICE).manual_seed(seed)
+    print(f"\n## Fused decode kernels, bf16 correctness (seed {seed}): ||y - ref|| / ||ref||, ref in float32\n",
+          flush=True)
+    ok = True
+    for name, (n, k) in GEMV_SHAPES.items():
+        w = gemv_weights(name, 1, generator)[0]
+        ours, peer = fused_ours(name), fused_peer(name)
+        lines = []
+        for m in GEMV_BATCHES:
+            a = fused_inputs(name, m, generator)
+            a32 = {key: t.float() for key, t in a.items()}
+            with poisoned_empty():
+                out = ours(a, w)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out_graph = ours(a, w)
+            graph.replay()
+            graph.replay()
+            first = out[0] if isinstance(out, tuple) else out
+            same = torch.equal(out_graph[0] if isinstance(out_graph, tuple) else out_graph, first)
+            if name == "lm_head" and not bool(((first >= 0) & (first < n)).all()):
+                good, text = False, f"M={m} tokens out of range {first.tolist()}"
+            elif name == "lm_head":
+                logits = a32["x"] @ w.float().t()
+                chosen = logits.gather(1, first[:, None]).squeeze(1)
+                gap = float((logits.max(dim=1).values - chosen).max())
+                good = gap <= 1e-3 * float(logits.abs().max())
+                agree = int((first == logits.argmax(dim=1)).sum())
+                text = f"M={m} {agree}/{m} tokens = argmax, largest gap {gap:.1e}"
+            else:
+                if name in ("qkv", "gate_up"):
+                    ref, ref_residual = fused_norm_linear_ref(a32["x"], a32["residual"], a32["norm_weight"],
+                                                              FUSED_EPS, w.float(), name == "gate_up")
+                    residual_error = _relative_error(out[1], ref_residual.double())
+                    peer_out = peer(a, w)[0]
+                else:
+                    ref, residual_error = fused_linear_ref(a32["x"], w.float()), 0.0
+                    peer_out = peer(a, w)
+                error = _relative_error(first, ref.double())
+                peer_error = _relative_error(peer_out, ref.double())
+                good = math.isfinite(error) and error < 1e-2 and residual_error < 1e-2
+                text = f"M={m} {error:.1e} (peer {peer_error:.1e})"
+            good = good and same
+            ok &= good
+            lines.append(text + ("" if same else " NOT REPRODUCIBLE") + ("" if good else " FAIL"))
+        print(f"  {name} {n}x{k}: " + "; ".join(lines), flush=True)
+        del w
+        torch.cuda.empty_cache()
+    print(f"  => {'PASS' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
+@contextlib.contextmanager
+def poisoned_empty() -> Iterator[None]:
+    """torch.empty returns NaN (floats) or -1 (integers) inside: an element a kernel does not write shows."""
+    real = torch.empty
+
+    def poisoned(*args: object, **kwargs: object) -> torch.Tensor:
+        t = real(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    torch.empty = poisoned
+    try:
+        yield
+    finally:
+        torch.empty = real
+
+
+def time_fused(name: str, fn: Callable[[dict[str, torch.Tensor], torch.Tensor], object],
+               inputs: dict[str, torch.Tensor], weights: list[torch.Tensor]) -> float:
+    """Microseconds per call of fn on each of the weights in turn, in a CUDA graph."""
+    return graph_us(lambda: [fn(inputs, w) for w in weights], len(weights), _estimate_us(name))
+
+
+def bench_fused(ceiling: float) -> None:
+    """Ours, the peer and linear.py's plain product per (product, M): us, GB/s of weight read, % of copy; then
+    the crossover of ours against the peer."""
+    results: dict[tuple[str, int], tuple[float, float]] = {}
+    rows = []
+    for name, (n, k) in GEMV_SHAPES.items():
+        weights = gemv_weights(name, GEMV_WEIGHTS)
+        nbytes = n * k * 2
+        ours, peer = fused_ours(name), fused_peer(name)
+        for m in GEMV_BATCHES:
+            a = fused_inputs(name, m)
+            ours_us, peer_us = time_fused(name, ours, a, weights), time_fused(name, peer, a, weights)
+            plain_us = time_gemv(name, weights, a["x"], None)
+            results[name, m] = (ours_us, peer_us)
+            gbps = [nbytes / us / 1e3 for us in (ours_us, peer_us)]
+            rows.append((f"{name} {n}x{k}", str(m), f"{ours_us:.2f}", f"{gbps[0]:,.0f}",
+                         f"{100 * gbps[0] / ceiling:.0f}%", f"{peer_us:.2f}", f"{gbps[1]:,.0f}",
+                         f"{100 * gbps[1] / ceiling:.0f}%", f"{plain_us:.2f}", f"{peer_us / ours_us:.2f}x"))
+            print("  " + "  ".join(rows[-1]), flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    header = ("product NxK", "M", "ours us", "ours GB/s", "ours of copy", "peer us", "peer GB/s", "peer of copy",
+              "linear.py us", "peer/ours")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    line = "  ".join("{:<" + str(w) + "}" for w in widths)
+    print(f"\n## Fused decode kernels vs the unfused step, bf16, {GEMV_WEIGHTS} weights per shape in a CUDA graph "
+          f"(GB/s of weight read; copy ceiling {ceiling:.0f} GB/s)")
+    print("peers: qkv = fused_add_rms_norm + cuBLAS; gate_up = fused_add_rms_norm + cuBLAS + silu_and_mul; o, down = "
+          "cuBLAS; lm_head = cuBLAS logits + the sampler's greedy argmax. linear.py: its plain product alone\n")
+    print(line.format(*header))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print(line.format(*r))
+    print("\nCrossover (peer/ours > 1: ours faster), for ops.DECODE_KERNEL_MAX_ROWS:")
+    for name in GEMV_SHAPES:
+        slower = [m for m in GEMV_BATCHES if results[name, m][0] > results[name, m][1]]
+        faster = [m for m in GEMV_BATCHES if not slower or m < slower[0]]
+        print(f"  {name}: ours faster up to M={faster[-1] if faster else 0}" +
+              (f"; the peer faster at M={slower}" if slower else " (every M measured)"))
+
+
+def run_fused() -> int:
+    gemv_precompile([(name, m, None) for name in GEMV_SHAPES for m in GEMV_BATCHES])  # (linear.py's, for its column)
+    ok = fused_check()
+    ceiling = copy_ceiling()
+    print(f"device-to-device copy (2 GiB): {ceiling:.0f} GB/s (read + written)", flush=True)
+    bench_fused(ceiling)
+    return 0 if ok else 1
+
+
 def main() -> int:
     global QUICK
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -874,6 +1069,7 @@ def main() -> int:
     parser.add_argument("--gemv", action="store_true", help="the skinny matmul section alone (check + table)")
     parser.add_argument("--gemv-sweep", action="store_true", help="with --gemv: also time alternative configs")
     parser.add_argument("--cascade", action="store_true", help="the cascade attention section alone (check + table)")
+    parser.add_argument("--fused", action="store_true", help="the fused decode kernels alone (check + table)")
     args = parser.parse_args()
     QUICK = args.quick
     if not torch.cuda.is_available():
@@ -881,6 +1077,8 @@ def main() -> int:
         return 2
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
+    if args.fused:
+        return run_fused()
     if args.gemv or args.gemv_sweep:
         return run_gemv(args.gemv_sweep)
     if args.cascade:

@@ -56,7 +56,7 @@ def step_breakdown(llm, prompt_len: int, output_len: int,
     """Where a decode step's time goes, from the engine's StepStats (LLMEngine.add_step_callback), over the
     steps that only decode: the host time of each phase, the rest of the step's wall-clock period, and with
     record_gpu_time each step's device time (CUDA events); then, on one GPU, the device time of a batch-1
-    decode through the model runner's CUDA graphs and of the LM head + the sampler's greedy path. Returns
+    decode through the model runner's CUDA graphs and of its greedy sampling (decode_gpu_ms). Returns
     the figures (ms, means per step) and the number of decode steps.
 
     A step's period runs from the callback of the step before to its own. With async scheduling a step is
@@ -109,8 +109,9 @@ def step_breakdown(llm, prompt_len: int, output_len: int,
 
 def decode_gpu_ms(llm, context: int) -> dict[str, float]:
     """GPU time (CUDA events) of one decode at batch 1 and `context` tokens through the model runner's CUDA
-    graphs (with the copy of the inputs into the graph's buffers), if it has them, and of the LM head + the
-    sampler's greedy path (with the tokens' copy to the host)."""
+    graphs (with the copy of the inputs into the graph's buffers), if it has them, and of a greedy step's
+    sampling as the runner does it (ModelRunner.sample: the LM head's fused argmax where it applies) and through
+    the logits and the sampler (both with the tokens' copy to the host)."""
     import numpy as np
     import torch
 
@@ -140,7 +141,9 @@ def decode_gpu_ms(llm, context: int) -> dict[str, float]:
         else:
             hidden = torch.randn(1, engine.model_config.hidden_size, dtype=runner.dtype, device=device)
         greedy, rows = SamplingTensors.greedy(), np.zeros(1, dtype=np.int64)
-        result["GPU: LM head + greedy sampler"] = cuda_ms(
+        result["GPU: LM head + greedy sampling (ModelRunner.sample)"] = cuda_ms(
+            lambda: runner.sample(hidden, greedy, rows, [0]), 100)
+        result["GPU: LM head logits + greedy sampler"] = cuda_ms(
             lambda: runner.sampler(runner.model.compute_logits(hidden), greedy, runner.input_batch, rows, [0]), 100)
     return result
 

@@ -124,7 +124,8 @@ def kernel_breakdown(path: str, batch: int, context: int) -> dict:
 
 def _group(name: str) -> str:
     lowered = name.lower()
-    for key, group in (("gemv", "matmul (cuBLAS)"), ("gemm", "matmul (cuBLAS)"), ("nvjet", "matmul (cuBLAS)"),
+    for key, group in (("fused_linear", "decode products (fused_linear)"),
+                       ("gemv", "matmul (cuBLAS)"), ("gemm", "matmul (cuBLAS)"), ("nvjet", "matmul (cuBLAS)"),
                        ("cutlass", "matmul (cuBLAS)"), ("sm90", "matmul (cuBLAS)"), ("splitk", "matmul (cuBLAS)"),
                        ("decode", "attention decode"), ("prefill", "attention prefill"), ("rms", "rmsnorm"),
                        ("rotary_and_store", "rotary + kv store"), ("rotary", "rotary"), ("rope", "rotary"),

@@ -1,10 +1,12 @@
 """The engine end to end on a CUDA GPU, on the Llama-3.2-1B-shaped random-weight model (bench_offline.LLAMA_1B):
 
 1. its logits against transformers' (float32) on the same GPU, with ours in bfloat16 and in float32;
-2. greedy generation (4 prompts x 64 tokens) along four paths, each in a fresh process: the Triton kernels with
-   CUDA graphs and async scheduling (the default fast path), with CUDA graphs only, eager, and the reference
-   ops (TINYVLLM_REFERENCE_OPS=1, eager). Each run is checked to have taken the path it names. In float32 every
-   path gives the same tokens as the eager Triton run (and that one as the reference ops). In bfloat16 the
+2. greedy generation (4 prompts x 64 tokens) along five paths, each in a fresh process: the Triton kernels with
+   CUDA graphs and async scheduling (the default fast path), with CUDA graphs only, the same without the fused
+   decode kernels (TINYVLLM_SKINNY=0: cuBLAS and the separate norm, SiLU and sampling kernels), eager, and the
+   reference ops (TINYVLLM_REFERENCE_OPS=1, eager). Each run is checked to have taken the path it names. In
+   float32 every path gives the same tokens as the eager Triton run (and that one as the reference ops, and the
+   graphs with the decode kernels as those without). In bfloat16 the
    paths round differently and random weights give near-ties, so a flip is expected somewhere: identical
    tokens pass, different ones are reported as xfail with the common prefix lengths, not judged;
 3. greedy generation of requests sharing a cached prefix with cascade attention on and off (CUDA graphs on):
@@ -41,16 +43,20 @@ LOGIT_TOLERANCE = {"bfloat16": 3e-2, "float32": 1e-4}
 PATHS = {
     "triton+graphs+async": (False, False, True),
     "triton+graphs": (False, False, False),
+    "triton+graphs, TINYVLLM_SKINNY=0": (False, False, False),
     "triton eager": (False, True, False),
     "reference ops": (True, True, False),
 }
+NO_DECODE_KERNELS = {"triton+graphs, TINYVLLM_SKINNY=0"}  # (the reference ops have none either)
 # (path, the path it must agree with)
-PAIRS = [("triton eager", "reference ops"), ("triton+graphs", "triton eager"), ("triton+graphs+async", "triton eager")]
+PAIRS = [("triton eager", "reference ops"), ("triton+graphs", "triton eager"), ("triton+graphs+async", "triton eager"),
+         ("triton+graphs", "triton+graphs, TINYVLLM_SKINNY=0")]
 
 # One greedy run in a fresh process (TINYVLLM_REFERENCE_OPS is read when tinyvllm.ops is imported; a process per
 # run also gives each engine the whole GPU). Prints RESULT and JSON: the tokens, and what the run took.
 GENERATE = r"""
 import json, sys
+import torch
 from tinyvllm import LLM, SamplingParams, ops
 path, dtype, enforce_eager, async_scheduling, num_tokens, prompts, engine_args = json.loads(sys.argv[1])
 llm = LLM(path, dtype=dtype, enforce_eager=enforce_eager, async_scheduling=async_scheduling, **engine_args)
@@ -62,6 +68,7 @@ params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
 tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 print("RESULT" + json.dumps(dict(
     tokens=tokens, triton=ops.triton_available(),
+    decode_kernels=ops.use_decode_kernel("lm_head", torch.empty(1, 1, device="cuda")),
     cuda_graphs=engine.engine_core.model_runner.cuda_graphs is not None,
     piecewise_graphs=engine.engine_core.model_runner.piecewise_graphs is not None,
     steps=len(overlapped), overlapped_steps=sum(overlapped), mixed_steps=sum(mixed))))
@@ -142,7 +149,8 @@ class GreedyRuns:
 
     def _run(self, dtype: str, name: str) -> dict[str, Any] | str:
         reference, eager, overlap = PATHS[name]
-        env = {**os.environ, "TINYVLLM_REFERENCE_OPS": "1" if reference else "0"}
+        env = {**os.environ, "TINYVLLM_REFERENCE_OPS": "1" if reference else "0",
+               "TINYVLLM_SKINNY": "0" if name in NO_DECODE_KERNELS else "1"}
         return run_python(GENERATE, [self.path, dtype, eager, overlap, NUM_TOKENS, PROMPTS, ENGINE_ARGS], env, 600)
 
 
@@ -163,6 +171,10 @@ def test_greedy_run_takes_its_path(greedy_runs: GreedyRuns, dtype: str, name: st
         f"{name} ({dtype}): tokens per prompt {[len(t) for t in run['tokens']]}, expected {NUM_TOKENS} each"
     assert run["triton"] == (not reference), \
         f"{name} ({dtype}): ops.triton_available() is {run['triton']}, expected {not reference}"
+    decode_kernels = not reference and name not in NO_DECODE_KERNELS
+    assert run["decode_kernels"] == decode_kernels, \
+        f"{name} ({dtype}): the fused decode kernels {'on' if run['decode_kernels'] else 'off'}, expected " \
+        f"{'on' if decode_kernels else 'off'}"
     assert run["cuda_graphs"] == run["piecewise_graphs"] == (not eager), \
         f"{name} ({dtype}): CUDA graphs {'captured' if run['cuda_graphs'] else 'not captured'}, piecewise " \
         f"{'captured' if run['piecewise_graphs'] else 'not captured'}, expected {'none' if eager else 'graphs'}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,6 +27,13 @@ from tinyvllm.ops.activation import silu_and_mul_ref, silu_and_mul_triton  # noq
 from tinyvllm.ops.attention import AttentionMetadata, paged_attention_ref, paged_attention_triton  # noqa: E402
 from tinyvllm.ops.cascade_attention import cascade_attention_triton  # noqa: E402
 from tinyvllm.ops.embedding import embedding_ref, embedding_triton  # noqa: E402
+from tinyvllm.ops.fused_linear import (  # noqa: E402
+    fused_linear_ref,
+    fused_linear_triton,
+    fused_norm_linear_ref,
+    fused_norm_linear_triton,
+    linear_argmax_triton,
+)
 from tinyvllm.ops.layernorm import (  # noqa: E402
     fused_add_rms_norm_ref,
     fused_add_rms_norm_triton,
@@ -406,6 +414,164 @@ def test_cascade_attention_in_cuda_graph() -> None:
     torch.cuda.synchronize()
     ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), without_prefix(meta), scale)
     assert_close("cascade attention in a CUDA graph, replayed on a shorter prefix bf16", out, ref, dtype)
+# ------------------------------------------------------------------------------------------ fused decode kernels
+
+FUSED_ROWS = [1, 2, 4, 8, 16, 32, 64]
+# (N, K) of the Llama-3.2-1B decode products; the weights input-major, as model/loader.py keeps them on CUDA
+FUSED_SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (2 * INTERMEDIATE, 2048), "down": (2048, 8192)}
+EPS = 1e-5
+
+
+def fresh_generator() -> tuple[torch.Generator, int]:
+    """A generator on a seed of its own each run (printed with a failure): fresh random inputs every time."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    return torch.Generator(device=DEVICE).manual_seed(seed), seed
+
+
+def rand(*shape: int, generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(*shape, device=DEVICE, generator=generator).to(dtype)
+
+
+def input_major(n: int, k: int, generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    return rand(k, n, generator=generator, dtype=dtype).t()
+
+
+def run_fused_product(product: str, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None,
+                      norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
+                                                          torch.Tensor | None]:
+    """(y, new residual, and their float32 references) of one product as the model calls it."""
+    if product in ("qkv", "gate_up"):
+        silu = product == "gate_up"
+        y, new_residual = poisoned(fused_norm_linear_triton, x, residual, norm_weight, EPS, w, silu)
+        ref, ref_residual = fused_norm_linear_ref(x.float(), None if residual is None else residual.float(),
+                                                  norm_weight.float(), EPS, w.float(), silu)
+        return y, new_residual, ref, ref_residual
+    return poisoned(fused_linear_triton, x, w), None, fused_linear_ref(x.float(), w.float()), None
+
+
+@pytest.mark.parametrize("m", FUSED_ROWS)
+@pytest.mark.parametrize("product", list(FUSED_SHAPES))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_decode_product(dtype: torch.dtype, product: str, m: int) -> None:
+    """qkv and gate_up with the RMSNorm prologue and the residual add (gate_up with SiLU·mul), o and down plain,
+    against the float32 references of the same inputs."""
+    if dtype == torch.float32 and m not in (1, 4, 16):
+        pytest.skip("float32 (the engine's exact-greedy check) at a few row counts")
+    generator, seed = fresh_generator()
+    n, k = FUSED_SHAPES[product]
+    w = input_major(n, k, generator, dtype)
+    x, residual = rand(m, k, generator=generator, dtype=dtype), rand(m, k, generator=generator, dtype=dtype)
+    norm_weight = 1 + 0.1 * rand(k, generator=generator, dtype=dtype)
+    y, new_residual, ref, ref_residual = run_fused_product(product, x, w, residual, norm_weight)
+    what = f"{product} {n}x{k} M={m} {short(dtype)} (seed {seed})"
+    assert_close(what, y, ref, dtype)
+    if new_residual is not None:
+        assert_close(what + " new residual", new_residual, ref_residual, dtype)
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_fused_norm_without_residual(m: int) -> None:
+    """The first layer's input_layernorm: no residual; the stream is x itself."""
+    generator, seed = fresh_generator()
+    n, k = FUSED_SHAPES["qkv"]
+    w, x = input_major(n, k, generator, torch.bfloat16), rand(m, k, generator=generator, dtype=torch.bfloat16)
+    norm_weight = 1 + 0.1 * rand(k, generator=generator, dtype=torch.bfloat16)
+    y, new_residual, ref, _ = run_fused_product("qkv", x, w, None, norm_weight)
+    assert new_residual is x
+    assert_close(f"qkv without residual M={m} (seed {seed})", y, ref, torch.bfloat16)
+
+
+def lm_head_weight(generator: torch.Generator, dtype: torch.dtype, tied: bool) -> torch.Tensor:
+    """[vocab, hidden]: the tied embedding (rows contiguous) or an untied head, input-major as the loader keeps it."""
+    return rand(VOCAB, HIDDEN, generator=generator, dtype=dtype) if tied else input_major(VOCAB, HIDDEN, generator,
+                                                                                          dtype)
+
+
+@pytest.mark.parametrize("m", FUSED_ROWS)
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lm_head_argmax(dtype: torch.dtype, tied: bool, m: int) -> None:
+    """The greedy tokens: in float32 torch.argmax of the logits; in bfloat16 (where accumulation order can swap
+    near-ties) tokens whose float32 logit is the row's largest up to rounding."""
+    generator, seed = fresh_generator()
+    w = lm_head_weight(generator, dtype, tied)
+    x = rand(m, HIDDEN, generator=generator, dtype=dtype)
+    tokens = poisoned(linear_argmax_triton, x, w)
+    logits = x.float() @ w.float().t()
+    what = f"lm_head argmax {'tied' if tied else 'untied'} M={m} {short(dtype)} (seed {seed})"
+    assert tokens.dtype == torch.int64 and tokens.shape == (m,), what
+    assert bool(((tokens >= 0) & (tokens < VOCAB)).all()), f"{what}: tokens out of range {tokens.tolist()}"
+    if dtype == torch.float32:
+        assert torch.equal(tokens, logits.argmax(-1)), f"{what}: {tokens.tolist()} != {logits.argmax(-1).tolist()}"
+    gap = (logits.max(-1).values - logits.gather(1, tokens[:, None]).squeeze(1)).max()
+    assert float(gap) <= 1e-3 * float(logits.abs().max()), f"{what}: a token's logit is {float(gap):.3g} below the max"
+
+
+@pytest.mark.parametrize("m", [1, 5, 64])
+def test_lm_head_argmax_ties(m: int) -> None:
+    """Rows of W repeat every 64, so each row's max logit occurs ~2004 times, in every vocabulary tile: the packed
+    key's low half must pick the first occurrence, below 64, as torch.argmax does."""
+    generator, seed = fresh_generator()
+    base = rand(64, HIDDEN, generator=generator, dtype=torch.float32)
+    w = base.repeat(VOCAB // 64 + 1, 1)[:VOCAB].contiguous()
+    x = rand(m, HIDDEN, generator=generator, dtype=torch.float32)
+    tokens = linear_argmax_triton(x, w)
+    expected = (x @ base.t()).argmax(-1)
+    assert torch.equal(tokens, expected), f"ties (seed {seed}): {tokens.tolist()} != {expected.tolist()}"
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_fused_layer_chain_in_cuda_graph(m: int) -> None:
+    """A decoder layer's products and the LM head back to back, as the decode graph runs them (each launched with
+    PDL on Hopper: its weights loaded before it waits, its inputs after): captured once, replayed twice on new
+    inputs. Each stage's output matches its reference computed from the stage before's output (an input read
+    before the kernel before had written it would not), and a second replay gives the same bits (the split-K
+    counters and the argmax keys are reset by the kernels)."""
+    dtype = torch.bfloat16
+    generator, seed = fresh_generator()
+    w_qkv = input_major(HIDDEN, HIDDEN, generator, dtype)  # square, so that o_proj can take its output
+    w_o = input_major(HIDDEN, HIDDEN, generator, dtype)
+    w_gate_up = input_major(2 * INTERMEDIATE, HIDDEN, generator, dtype)
+    w_down, w_head = input_major(HIDDEN, INTERMEDIATE, generator, dtype), lm_head_weight(generator, dtype, tied=True)
+    norm1, norm2 = (1 + 0.1 * rand(HIDDEN, generator=generator, dtype=dtype) for _ in range(2))
+    x, residual = torch.empty(m, HIDDEN, dtype=dtype, device=DEVICE), torch.empty(m, HIDDEN, dtype=dtype, device=DEVICE)
+
+    def chain() -> tuple[torch.Tensor, ...]:
+        qkv, residual1 = fused_norm_linear_triton(x, residual, norm1, EPS, w_qkv)
+        attn = fused_linear_triton(qkv, w_o)
+        gated, residual2 = fused_norm_linear_triton(attn, residual1, norm2, EPS, w_gate_up, True)
+        down = fused_linear_triton(gated, w_down)
+        return qkv, residual1, attn, gated, residual2, down, linear_argmax_triton(down, w_head)
+
+    x.copy_(rand(m, HIDDEN, generator=generator, dtype=dtype))
+    residual.copy_(rand(m, HIDDEN, generator=generator, dtype=dtype))
+    chain()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for replay in range(2):
+        x.copy_(rand(m, HIDDEN, generator=generator, dtype=dtype))
+        residual.copy_(rand(m, HIDDEN, generator=generator, dtype=dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        qkv, residual1, attn, gated, residual2, down, tokens = (t.clone() for t in out)
+        what = f"layer chain M={m} replay {replay} (seed {seed})"
+        ref_qkv, ref_residual1 = fused_norm_linear_ref(x.float(), residual.float(), norm1.float(), EPS, w_qkv.float())
+        assert_close(what + ": qkv", qkv, ref_qkv, dtype)
+        assert_close(what + ": residual after attention", residual1, ref_residual1, dtype)
+        assert_close(what + ": o", attn, fused_linear_ref(qkv.float(), w_o.float()), dtype)
+        ref_gated, ref_residual2 = fused_norm_linear_ref(attn.float(), residual1.float(), norm2.float(), EPS,
+                                                         w_gate_up.float(), True)
+        assert_close(what + ": gate_up", gated, ref_gated, dtype)
+        assert_close(what + ": residual after the MLP", residual2, ref_residual2, dtype)
+        assert_close(what + ": down", down, fused_linear_ref(gated.float(), w_down.float()), dtype)
+        logits = down.float() @ w_head.float().t()
+        gap = (logits.max(-1).values - logits.gather(1, tokens[:, None]).squeeze(1)).max()
+        assert float(gap) <= 1e-3 * float(logits.abs().max()), f"{what}: lm_head argmax off by {float(gap):.3g}"
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(out, (qkv, residual1, attn, gated, residual2, down, tokens))), \
+            f"{what}: a second replay on the same inputs changed the bits"
 
 
 # ------------------------------------------------------------------------------------------------- sampling

@@ -2,7 +2,9 @@
 
 Every op but the matrix products goes through `tinyvllm.ops` (Triton on CUDA, PyTorch on the CPU).
 Q/K/V and gate/up are merged into one matrix product each; the loader writes the checkpoint's
-separate tensors into their slices (see `packed_modules`).
+separate tensors into their slices (see `packed_modules`). At decode sizes on CUDA the products run on our
+own kernels instead of cuBLAS (ops.use_decode_kernel), each norm inside the product after it
+(RMSNorm.project) and the MLP's SiLU·mul inside gate/up; elsewhere each is its own kernel, as it reads.
 
 Tensor parallelism (Megatron-style, as vLLM): Q/K/V and gate/up are split by output columns (whole heads),
 O and down by input rows followed by an all-reduce, the embedding and LM head over the vocabulary. Each
@@ -22,14 +24,22 @@ from tinyvllm.ops import AttentionMetadata
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b) through cuBLAS. Parameters start uninitialized: the checkpoint fills them."""
+    """y = x W^T (+ b) through cuBLAS, or at decode sizes our kernel (ops.fused_linear). Parameters start
+    uninitialized: the checkpoint fills them. `product` names the layer in ops.DECODE_KERNEL_MAX_ROWS; None
+    (a bias, or a weight split over ranks) keeps it on cuBLAS."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, product: str | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.product = None if bias else product
+
+    def uses_decode_kernel(self, x: torch.Tensor) -> bool:
+        return self.product is not None and ops.use_decode_kernel(self.product, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.uses_decode_kernel(x):
+            return ops.fused_linear(x, self.weight)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -42,8 +52,9 @@ def _split_along(param: nn.Parameter, dim: int, padded: bool = False) -> None:
 class ColumnParallelLinear(Linear):
     """Each rank holds a slice of the output features and computes that slice of y: no communication."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
-        super().__init__(in_features, tp.split(out_features), bias)
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel,
+                 product: str | None = None) -> None:
+        super().__init__(in_features, tp.split(out_features), bias, product if tp.size == 1 else None)
         _split_along(self.weight, 0)
         if self.bias is not None:
             _split_along(self.bias, 0)
@@ -53,8 +64,9 @@ class RowParallelLinear(Linear):
     """Each rank holds a slice of the input features (matching the column-parallel layer before it); the
     partial products are summed over the ranks. Only rank 0 adds the bias, so the sum has it once."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
-        super().__init__(tp.split(in_features), out_features, bias)
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel,
+                 product: str | None = None) -> None:
+        super().__init__(tp.split(in_features), out_features, bias, product if tp.size == 1 else None)
         _split_along(self.weight, 1)
         self.tp = tp
 
@@ -112,6 +124,16 @@ class RMSNorm(nn.Module):
             return ops.rms_norm(x, self.weight, self.eps), x
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
+    def project(self, x: torch.Tensor, residual: torch.Tensor | None, linear: Linear,
+                silu_and_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(norm(x + residual)), residual stream), with silu_and_mul the MLP's gate applied to the product:
+        one kernel where the decode kernel applies to `linear`, else the norm, the product and the gate in turn."""
+        if linear.uses_decode_kernel(x):
+            return ops.fused_norm_linear(x, residual, self.weight, self.eps, linear.weight, silu_and_mul)
+        normed, residual = self(x, residual)
+        y = linear(normed)
+        return ops.silu_and_mul(y) if silu_and_mul else y, residual
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
@@ -121,19 +143,21 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv_size = (config.num_heads + 2 * config.num_kv_heads) * self.head_dim
-        self.qkv_proj = ColumnParallelLinear(config.hidden_size, qkv_size, config.attention_bias, tp)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, qkv_size, config.attention_bias, tp, "qkv")
         self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size,
-                                        config.attention_bias, tp)
+                                        config.attention_bias, tp, "o")
         self.scale = self.head_dim**-0.5
         # Set by the ModelRunner once the KV pool is allocated: [num_blocks, block_size, kv_heads, head_dim]
         # (this rank's num_kv_heads).
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor,
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, cos_sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        """Attention of the tokens whose qkv_proj output is `qkv` (the decoder layer runs qkv_proj, with the norm
+        before it), through o_proj."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -145,14 +169,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """down(silu(gate) * up). The decoder layer runs gate_up with the norm before it and the gate after it
+    (RMSNorm.project), then down_proj."""
+
     def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * config.intermediate_size,
-                                                 config.mlp_bias, tp)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, config.mlp_bias, tp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+                                                 config.mlp_bias, tp, "gate_up")
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, config.mlp_bias, tp,
+                                           "down")
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -165,10 +190,10 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 cos_sin: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, cos_sin, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        qkv, residual = self.input_layernorm.project(x, residual, self.self_attn.qkv_proj)
+        x = self.self_attn(positions, qkv, cos_sin, meta)
+        gated, residual = self.post_attention_layernorm.project(x, residual, self.mlp.gate_up_proj, silu_and_mul=True)
+        return self.mlp.down_proj(gated), residual
 
 
 class LlamaModel(nn.Module):
@@ -236,6 +261,15 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] for every token of the flat batch."""
         return self.model(input_ids, positions, self.cos_sin_cache, meta)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The argmax of each row's logits (int64 [rows]) from the fused LM-head kernel, which writes no logits;
+        None where it does not apply (the CPU, more rows than its crossover, a vocabulary split over ranks): then
+        the caller computes the logits."""
+        if self.tp.size > 1 or not ops.use_decode_kernel("lm_head", hidden):
+            return None
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return ops.linear_argmax(hidden, weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [rows, vocab_size] for the rows given (only the positions that get sampled), in the model's

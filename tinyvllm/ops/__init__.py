@@ -1,9 +1,10 @@
-"""The engine's non-matmul ops, and a skinny matmul for decode batches (linear.py; measured, not used by the
-model yet: see benchmarks/RESULTS.md). Each op has a
+"""The engine's non-matmul ops, and decode-sized matrix products with the ops around them fused (fused_linear.py;
+linear.py: the plain skinny matmul it grew from, measured in benchmarks/RESULTS.md). Each op has a
 plain-PyTorch reference (`*_ref`) and, where Triton is available, a Triton kernel (`*_triton`) with the
 same signature. The names exported here pick the Triton kernel for CUDA tensors and the reference
 otherwise; TINYVLLM_REFERENCE_OPS=1 forces the references everywhere (to check the kernels against them
-on a GPU)."""
+on a GPU). use_decode_kernel says when the model runs a product on the fused kernels instead of cuBLAS;
+TINYVLLM_SKINNY=0 turns them off."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tinyvllm.ops.activation import silu_and_mul_ref
 from tinyvllm.ops.attention import AttentionMetadata, paged_attention_ref
 from tinyvllm.ops.cascade_attention import cascade_attention_ref
 from tinyvllm.ops.embedding import embedding_ref
+from tinyvllm.ops.fused_linear import fused_linear_ref, fused_norm_linear_ref, linear_argmax_ref
 from tinyvllm.ops.layernorm import fused_add_rms_norm_ref, rms_norm_ref
 from tinyvllm.ops.linear import skinny_matmul_ref
 from tinyvllm.ops.rotary import build_cos_sin_cache, rotary_embedding_and_store_ref
@@ -26,6 +28,11 @@ __all__ = [
     "AttentionMetadata",
     "build_cos_sin_cache",
     "embedding",
+    "fused_linear",
+    "fused_norm_linear",
+    "linear_argmax",
+    "use_decode_kernel",
+    "DECODE_KERNEL_MAX_ROWS",
     "rms_norm",
     "fused_add_rms_norm",
     "rotary_embedding_and_store",
@@ -37,6 +44,17 @@ __all__ = [
 ]
 
 _FORCE_REFERENCE = os.environ.get("TINYVLLM_REFERENCE_OPS", "0") == "1"
+_DECODE_KERNELS_OFF = os.environ.get("TINYVLLM_SKINNY", "1") == "0"
+
+# Each product runs on our decode kernels (fused_linear.py) for up to this many rows (tokens), on cuBLAS above:
+# the crossovers that benchmarks/bench_kernels.py --fused measures against what the model runs otherwise
+# (cuBLAS with the separate norm and SiLU kernels); figures in benchmarks/RESULTS.md. 0: never.
+#   qkv:     RMSNorm (input_layernorm, with the residual add) + the QKV product
+#   o:       the attention output projection
+#   gate_up: RMSNorm (post_attention_layernorm, with the residual add) + gate/up + SiLU·mul
+#   down:    the MLP's down projection
+#   lm_head: the LM head with greedy argmax, for steps that sample greedily and need no logits
+DECODE_KERNEL_MAX_ROWS: dict[str, int] = {"qkv": 16, "o": 8, "gate_up": 16, "down": 16, "lm_head": 64}
 
 
 def triton_available() -> bool:
@@ -56,10 +74,12 @@ def _triton_kernels() -> dict[str, Callable[..., Any]]:
         return {}
     try:
         from tinyvllm.ops import triton_kernels
+        from tinyvllm.ops.fused_linear import fused_linear_triton, fused_norm_linear_triton, linear_argmax_triton
         from tinyvllm.ops.linear import skinny_matmul_triton
     except ImportError:
         return {}
-    return {**triton_kernels.KERNELS, "skinny_matmul": skinny_matmul_triton}
+    return {**triton_kernels.KERNELS, "skinny_matmul": skinny_matmul_triton, "fused_linear": fused_linear_triton,
+            "fused_norm_linear": fused_norm_linear_triton, "linear_argmax": linear_argmax_triton}
 
 
 _TRITON = _triton_kernels()
@@ -78,7 +98,18 @@ def _dispatch(name: str, reference: Callable[..., Any]) -> Callable[..., Any]:
     return op
 
 
+def use_decode_kernel(product: str, x: torch.Tensor) -> bool:
+    """Whether `product` (a key of DECODE_KERNEL_MAX_ROWS) on the input x [tokens, K] runs on the fused decode
+    kernels: on CUDA with Triton, up to the product's crossover. The model asks only where the weights are
+    whole (tensor parallel size 1) and there is no bias; CUDA graphs capture the answer of each batch size."""
+    return (x.is_cuda and not _DECODE_KERNELS_OFF and "fused_linear" in _TRITON
+            and x.shape[0] <= DECODE_KERNEL_MAX_ROWS[product])
+
+
 embedding = _dispatch("embedding", embedding_ref)
+fused_linear = _dispatch("fused_linear", fused_linear_ref)
+fused_norm_linear = _dispatch("fused_norm_linear", fused_norm_linear_ref)
+linear_argmax = _dispatch("linear_argmax", linear_argmax_ref)
 rms_norm = _dispatch("rms_norm", rms_norm_ref)
 fused_add_rms_norm = _dispatch("fused_add_rms_norm", fused_add_rms_norm_ref)
 rotary_embedding_and_store = _dispatch("rotary_embedding_and_store", rotary_embedding_and_store_ref)

@@ -99,7 +99,9 @@ class ModelRunner:
         row count, and a forward pass (attention left out: it has no cuBLAS product) at each padded size."""
         hidden_size = self.model_config.hidden_size
         for rows in self.logits_rows:
-            self.model.compute_logits(torch.zeros(rows, hidden_size, dtype=self.dtype, device=self.device))
+            hidden = torch.zeros(rows, hidden_size, dtype=self.dtype, device=self.device)
+            self.model.compute_logits(hidden)
+            self.model.greedy_tokens(hidden)  # (the fused LM head, where it applies: compiled now, not mid-run)
         empty = torch.zeros(1, dtype=torch.int32, device=self.device)
         sizes = sorted({padded_num_tokens(n, self.config.max_num_batched_tokens)
                         for n in range(EAGER_PADDING_ABOVE + 1, self.config.max_num_batched_tokens + 1)})
@@ -244,9 +246,8 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         batch = self.input_batch
         if inputs.sampled_seq_ids:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])[: len(inputs.sampled_seq_ids)]
-            output = self.sampler(logits, inputs.sampling, batch, inputs.sampled_rows, inputs.sampled_seq_ids,
-                                  batch.record_tokens, timer)
+            output = self.sample(hidden[inputs.logits_indices], inputs.sampling, inputs.sampled_rows,
+                                 inputs.sampled_seq_ids, timer)
             batch.num_tokens[inputs.sampled_rows] += 1  # the tokens in flight count from now on
         else:
             if timer is not None:
@@ -255,6 +256,20 @@ class ModelRunner:
             output = AsyncModelRunnerOutput([], empty, empty, None, None, None, False, None, timer)
         self._last_output = output
         return output
+
+    def sample(self, hidden: torch.Tensor, sampling: SamplingTensors, rows: np.ndarray, seq_ids: list[int],
+               timer: tuple[torch.cuda.Event, torch.cuda.Event] | None = None) -> AsyncModelRunnerOutput:
+        """The next token of each sequence from the sampled positions' hidden states: row i of `hidden` is the
+        input batch's row rows[i], sequence seq_ids[i], and rows past len(seq_ids) are padding (the LM head's
+        fixed shapes), dropped. A step that only needs greedy tokens takes them from the model's fused LM head
+        where it applies, which writes no logits; otherwise the logits go to the sampler."""
+        batch, n = self.input_batch, len(seq_ids)
+        if not sampling.needs_logits:
+            token_ids = self.model.greedy_tokens(hidden)
+            if token_ids is not None:
+                return self.sampler.output(token_ids[:n], sampling, batch, rows, seq_ids, batch.record_tokens, timer)
+        logits = self.model.compute_logits(hidden)[:n]
+        return self.sampler(logits, sampling, batch, rows, seq_ids, batch.record_tokens, timer)
 
     # ---- tensor parallelism: rank 0 sends each step, the other ranks run it ---------------------------
     def stop_workers(self) -> None:

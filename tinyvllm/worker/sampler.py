@@ -63,6 +63,12 @@ class SamplingTensors:
     any_logprobs: bool = False
     any_min_tokens: bool = False
 
+    @property
+    def needs_logits(self) -> bool:
+        """Whether a row samples, or asks for logprobs, penalties or min_tokens: else the greedy tokens alone
+        will do, and the model may take them without writing logits (LlamaForCausalLM.greedy_tokens)."""
+        return not self.all_greedy or self.any_penalties or self.any_logprobs or self.any_min_tokens
+
     @classmethod
     def greedy(cls, **flags: bool) -> SamplingTensors:
         """Every row greedy: no per-row tensors (the sampler takes the argmax). `flags`: the any_* fields."""
@@ -150,6 +156,14 @@ class Sampler:
             token_ids = ops.sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
                                    sampling.seeds, use_top_p=sampling.use_top_p, max_top_k=sampling.max_top_k,
                                    use_min_p=sampling.use_min_p)
+        return self.output(token_ids, sampling, batch, rows, seq_ids, on_ready, timer, raw_logprobs)
+
+    def output(self, token_ids: torch.Tensor, sampling: SamplingTensors, batch: InputBatch, rows: np.ndarray,
+               seq_ids: list[int], on_ready: Callable[[list[int], list[int]], None] | None = None,
+               timer: tuple[torch.cuda.Event, torch.cuda.Event] | None = None,
+               raw_logprobs: torch.Tensor | None = None) -> AsyncModelRunnerOutput:
+        """The step's output from tokens already drawn (by __call__, or by the model's greedy LM head), on their
+        way to the host."""
         num_logprobs = None
         if sampling.any_logprobs:
             num_logprobs = [p.logprobs for p in (batch.params[row] for row in rows.tolist())]
