@@ -48,7 +48,7 @@ def main() -> None:
                         help="also run with prefix caching on and cascade attention off, and print the ratio")
     parser.add_argument("--plot", default=None, metavar="FILE",
                         help="draw each run's steps into a PNG: FILE-caching-on.png, FILE-caching-off.png "
-                        "(needs matplotlib)")
+                        "(and with --cascade-off FILE-caching-on-cascade-off.png; needs matplotlib)")
     args = parser.parse_args()
     from tinyvllm.entrypoints.step_plot import StepRecorder, import_matplotlib, plot_path, plot_steps
 

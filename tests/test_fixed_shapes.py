@@ -31,6 +31,8 @@ def test_large_steps_are_padded_to_a_multiple_and_never_past_the_budget() -> Non
     assert padded_num_tokens(8192, 8192) == 8192
     assert padded_num_tokens(8100, 8150) == 8150  # rounded up, but not past max_num_batched_tokens
     assert padded_num_tokens(8190, 8150) == 8190  # (and never below the step itself)
+    assert padded_num_tokens(9000, 65536) == 9216  # above the warmed-up sizes: a sixteenth of 16384
+    assert padded_num_tokens(40000, 65536) == 40960
 
 
 def _run(checkpoint: str, fixed: bool, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
@@ -40,7 +42,7 @@ def _run(checkpoint: str, fixed: bool, monkeypatch: pytest.MonkeyPatch) -> list[
         monkeypatch.setattr(model_runner, "EAGER_PADDING_ABOVE", 8)
         monkeypatch.setattr(model_runner, "EAGER_TOKEN_MULTIPLE", 32)
         runner.fixed_shapes = True
-        runner._warm_up_shapes()  # (it runs on the CPU too: here it checks that every padded size runs)
+        runner.warm_up_shapes()  # (it runs on the CPU too: here it checks that every padded size runs)
     rng = random.Random(0)
     prompts = [[rng.randrange(100) for _ in range(rng.randrange(3, 60))] for _ in range(12)]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)

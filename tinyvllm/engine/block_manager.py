@@ -71,11 +71,20 @@ class BlockManager:
             found.append(block_id)
         return found
 
-    def is_being_computed(self, seq: Sequence, num_cached_blocks: int) -> bool:
-        """Whether the full block after seq's cached prefix (num_cached_blocks, from find_cached_prefix) is one
-        that a running sequence has claimed: it will be in the cache within a step or a few."""
-        i = num_cached_blocks
-        return bool(self.claimed) and i < len(seq.block_hashes) and seq.block_hashes[i] in self.claimed
+    def is_being_computed(self, seq: Sequence) -> bool:
+        """Whether the full block after seq's cached prefix is one that a running sequence has claimed (it will be
+        in the cache once that sequence's step has computed it). Cheap enough to ask of every waiting request each
+        step: hashes only (a collision costs a needless wait, never a wrong block), from where the last look
+        stopped."""
+        if not self.claimed:
+            return False
+        last = (seq.num_tokens - 1) // self.block_size
+        self._hash_full_blocks(seq, last)
+        i = seq.num_blocks_seen_cached
+        while i < last and seq.block_hashes[i] in self.cached_blocks:
+            i += 1
+        seq.num_blocks_seen_cached = i
+        return i < last and seq.block_hashes[i] in self.claimed
 
     def claim(self, seq: Sequence, first: int) -> None:
         """seq, just given its blocks, computes its full prompt blocks from `first` on (those after its cached

@@ -38,7 +38,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.policy = policy
-        self.share_prefix_computation = share_prefix_computation  # (off: what tests compare it against)
+        # Whether a request waits for prompt blocks another is computing (on by default; tests turn it off to
+        # compare).
+        self.share_prefix_computation = share_prefix_computation
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}  # every unfinished sequence, by id
@@ -112,15 +114,17 @@ class Scheduler:
         if self.policy == "continuous" and not preempted:
             now = time.time()
             deferred: list[Sequence] = []  # (they keep their places in the queue)
+            seats = self.max_num_seqs - len(self.running)
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
                 if seq.num_output_placeholders:
                     break
-                cached = self.block_manager.find_cached_prefix(seq)
-                if self.share_prefix_computation and self.block_manager.is_being_computed(seq, len(cached)):
+                if self.share_prefix_computation and self.block_manager.is_being_computed(seq):
                     deferred.append(self.waiting.popleft())
+                    if len(deferred) >= seats:  # (as many as could have been seated: look no further)
+                        break
                     continue
-                num_new = self._try_allocate(seq, budget, cached)
+                num_new = self._try_allocate(seq, budget)
                 if num_new is None:
                     break
                 self.waiting.popleft()
@@ -172,19 +176,16 @@ class Scheduler:
             free -= need
             self._start_running(self.waiting.popleft(), now)
 
-    def _try_allocate(self, seq: Sequence, budget: int, cached: list[int] | None = None) -> int | None:
+    def _try_allocate(self, seq: Sequence, budget: int) -> int | None:
         """Blocks for seq's next chunk (at most `budget` tokens); its size, or None if the pool is short.
-        A sequence without blocks first takes what the prefix cache holds of it (`cached`, if looked up
-        already), and claims the full prompt blocks after that, which it computes."""
+        A sequence without blocks first takes what the prefix cache holds of it, and claims the full blocks
+        after that, which it computes."""
         if seq.block_table:  # the common case, a decode whose token fits in its last block: nothing to do
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if seq.num_computed_tokens + num_new <= len(seq.block_table) * self.block_manager.block_size:
                 return num_new
         starting = not seq.block_table
-        if not starting:
-            cached = []
-        elif cached is None:
-            cached = self.block_manager.find_cached_prefix(seq)
+        cached = self.block_manager.find_cached_prefix(seq) if starting else []
         num_computed = max(seq.num_computed_tokens, len(cached) * self.block_manager.block_size)
         num_new = min(seq.num_tokens - num_computed, budget)
         if not self.block_manager.allocate(seq, num_new, cached):

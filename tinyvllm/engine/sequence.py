@@ -38,9 +38,11 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks, filled as they complete
         self.num_registered_blocks = 0  # leading blocks of block_table already offered to the prefix cache
-        # Its full prompt blocks [first, last) that no other sequence had cached or claimed when it started, which
-        # it claims as the one computing them (BlockManager.claim) until they are cached or it lets go of them.
+        # The full blocks [first, last) past its cached prefix that it computes, claimed (BlockManager.claim) until
+        # they are cached or it lets go of its blocks; and, while it waits for another's claim, how many leading
+        # blocks it found in the cache at its last look (BlockManager.is_being_computed starts there).
         self.claimed_blocks = (0, 0)
+        self.num_blocks_seen_cached = 0
         self.num_sent_blocks = -1  # blocks the model runner knows of; -1: it does not hold the sequence
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -44,7 +44,7 @@ except ImportError:  # the CPU engine uses the references on machines without Tr
 # --cascade-off): a prefix shorter than this many tokens costs the plain kernel little to read per sequence, and
 # below this many sequences the prefix pass's extra launch and partial results outweigh the reads it saves.
 CASCADE_MIN_PREFIX_TOKENS = 256
-CASCADE_MIN_SEQS = 32  # (on the H200 the plain kernel won at 8 sequences, cascade from 32: RESULTS.md)
+CASCADE_MIN_SEQS = 32  # (the smallest batch where cascade attention won its measurement)
 
 
 def use_cascade_attention(common_prefix_len: int, num_seqs: int) -> bool:

@@ -64,8 +64,9 @@ def fused_norm_linear_ref(
 
 
 def linear_argmax_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """argmax over the vocabulary of the float32 logits x @ weight^T: int64 [M], the lowest index on a tie."""
-    return torch.argmax(F.linear(x.float(), weight.float()), dim=-1)
+    """argmax over the vocabulary of the logits x @ weight^T, computed in float32 and rounded to x's dtype (as the
+    logits the sampler reads): int64 [M], the lowest index on a tie."""
+    return torch.argmax(F.linear(x.float(), weight.float()).to(x.dtype), dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------------- kernels
@@ -214,7 +215,9 @@ if triton is not None:
 
         out_rows, out_cols = offs_m[:, None], offs_n[None, :]
         if ARGMAX:  # (SPLIT_K == 1: the wrapper never splits the LM head)
-            logits = tl.where(out_cols < N, acc, float("-inf"))
+            # (rounded to the model's dtype first, as cuBLAS writes the logits the sampler's argmax reads: the two
+            # paths then pick the same token when the top two logits round to one value)
+            logits = tl.where(out_cols < N, acc.to(x_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
             tile_max = tl.max(logits, axis=1)
             index = tl.min(tl.where(logits == tile_max[:, None], out_cols, 2147483647), axis=1)
             bits = tile_max.to(tl.int32, bitcast=True)

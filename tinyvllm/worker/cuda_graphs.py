@@ -93,6 +93,9 @@ class _Pieces:
     output: torch.Tensor | None = None
 
 
+PIECEWISE_MAX_TOKENS = 2048  # the largest step the piecewise graphs take
+
+
 class PiecewiseCudaGraphs:
     """CUDA graphs for steps with prompt tokens (a prompt chunk among decodes, as a server's steps are while
     requests keep arriving), up to a few thousand tokens: everything but attention, one graph per piece between
@@ -105,8 +108,9 @@ class PiecewiseCudaGraphs:
     @torch.inference_mode()
     def __init__(self, model: torch.nn.Module, max_num_tokens: int, device: torch.device,
                  pool: tuple[int, int] | None = None) -> None:
-        ladder = [*range(64, 512, 64), *range(512, 1024, 128), *range(1024, 2048 + 1, 256)]
-        self.token_counts = sorted({t for t in ladder if t < max_num_tokens} | {min(max_num_tokens, 2048)})
+        ladder = [*range(64, 512, 64), *range(512, 1024, 128), *range(1024, PIECEWISE_MAX_TOKENS + 1, 256)]
+        self.token_counts = sorted({t for t in ladder if t < max_num_tokens}
+                                   | {min(max_num_tokens, PIECEWISE_MAX_TOKENS)})
         top = self.token_counts[-1]
         self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
         self.positions = torch.zeros(top, dtype=torch.int64, device=device)

@@ -18,7 +18,7 @@ from tinyvllm.contract import SchedulerOutput
 from tinyvllm.distributed import TensorParallel
 from tinyvllm.ops import AttentionMetadata
 from tinyvllm.ops.cascade_attention import common_prefix_len, use_cascade_attention
-from tinyvllm.worker.cuda_graphs import CudaGraphs, PiecewiseCudaGraphs
+from tinyvllm.worker.cuda_graphs import PIECEWISE_MAX_TOKENS, CudaGraphs, PiecewiseCudaGraphs
 from tinyvllm.worker.input_batch import LOGPROBS, MIN_TOKENS, PENALTIES, InputBatch
 from tinyvllm.worker.kv_cache import decide_num_blocks
 from tinyvllm.worker.sampler import AsyncModelRunnerOutput, Sampler, SamplingTensors, step_seeds
@@ -26,14 +26,17 @@ from tinyvllm.worker.staging import Staging, broadcast_step, broadcast_stop, rec
 
 logger = logging.getLogger(__name__)
 
-# cuBLAS chooses a kernel per matrix shape, and the first use of a shape costs a heuristic query (~0.3 ms of host
-# time) and may load a kernel module, which waits for the whole device: mid-step, that stalls the host behind the
-# step before (async scheduling). So on CUDA the runner keeps its products to a fixed set of shapes, each met once
-# at start-up: the LM head's rows are padded up a ladder, and steps too large for the CUDA graphs (which fix their
-# shapes themselves) are padded to a multiple of EAGER_TOKEN_MULTIPLE tokens. Padding tokens store no K/V (slot
-# -1) and belong to no sequence; every op but attention works row by row, so they never touch the real rows.
+# cuBLAS chooses a kernel per matrix shape, and the first use of a shape costs a heuristic query on the host and
+# may load a kernel module, which waits for the whole device: mid-step, that stalls the host behind the step
+# before (async scheduling). So on CUDA the runner keeps its products to a fixed set of shapes, met at start-up:
+# the LM head's rows are padded up a ladder, and steps too large for the piecewise CUDA graphs (which fix their
+# shapes themselves) are padded to a multiple of EAGER_TOKEN_MULTIPLE tokens (of a sixteenth of the size's power
+# of two above WARM_UP_MAX_TOKENS, whose sizes are not run at start-up: each would be a whole forward pass).
+# Padding tokens store no K/V (slot -1) and belong to no sequence; every op but attention works row by row, so
+# they never touch the real rows.
 EAGER_TOKEN_MULTIPLE = 256
-EAGER_PADDING_ABOVE = 2048  # tokens: smaller steps run through the graphs, or are left as they are (eager mode)
+EAGER_PADDING_ABOVE = PIECEWISE_MAX_TOKENS  # smaller steps run through the graphs, or as they are (eager mode)
+WARM_UP_MAX_TOKENS = 8192
 
 
 def logits_row_ladder(max_num_seqs: int) -> list[int]:
@@ -45,7 +48,10 @@ def padded_num_tokens(num_tokens: int, max_num_batched_tokens: int) -> int:
     """The token count a step is run at outside the CUDA graphs (see EAGER_TOKEN_MULTIPLE)."""
     if num_tokens <= EAGER_PADDING_ABOVE:
         return num_tokens
-    rounded = -(-num_tokens // EAGER_TOKEN_MULTIPLE) * EAGER_TOKEN_MULTIPLE
+    multiple = EAGER_TOKEN_MULTIPLE
+    if num_tokens > WARM_UP_MAX_TOKENS:
+        multiple = max(multiple, (1 << (num_tokens - 1).bit_length()) // 16)
+    rounded = -(-num_tokens // multiple) * multiple
     return max(num_tokens, min(rounded, max_num_batched_tokens))
 
 
@@ -55,8 +61,9 @@ class ModelInput:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the hidden states whose next token is sampled
-    sampled_rows: np.ndarray  # the input batch's rows of the sequences that sample, in that order (logits_indices
-    # may have more: padding rows, whose logits are dropped)
+    # The input batch's rows of the sequences that sample, in that order; logits_indices may hold more (padding
+    # rows, on CUDA, whose results are dropped).
+    sampled_rows: np.ndarray
     sampled_seq_ids: list[int]
     sampling: SamplingTensors
 
@@ -91,20 +98,22 @@ class ModelRunner:
         self.fixed_shapes = device.type == "cuda"  # (on the CPU shapes cost nothing: the batch runs as it is)
         self.logits_rows = logits_row_ladder(config.max_num_seqs)
         if self.fixed_shapes and tp.size == 1:  # (with several ranks a warm-up would need them all)
-            self._warm_up_shapes()
+            self.warm_up_shapes()
 
     @torch.inference_mode()
-    def _warm_up_shapes(self) -> None:
-        """Run every shape the padding can produce once, so that none is new mid-run: the LM head at each
-        row count, and a forward pass (attention left out: it has no cuBLAS product) at each padded size."""
+    def warm_up_shapes(self) -> None:
+        """Run the shapes the padding produces once, so that they are not new mid-run: the LM head at each row
+        count, and a forward pass (attention left out: it has no cuBLAS product) at each padded size up to
+        WARM_UP_MAX_TOKENS."""
         hidden_size = self.model_config.hidden_size
         for rows in self.logits_rows:
             hidden = torch.zeros(rows, hidden_size, dtype=self.dtype, device=self.device)
             self.model.compute_logits(hidden)
             self.model.greedy_tokens(hidden)  # (the fused LM head, where it applies: compiled now, not mid-run)
         empty = torch.zeros(1, dtype=torch.int32, device=self.device)
+        top = min(self.config.max_num_batched_tokens, WARM_UP_MAX_TOKENS)
         sizes = sorted({padded_num_tokens(n, self.config.max_num_batched_tokens)
-                        for n in range(EAGER_PADDING_ABOVE + 1, self.config.max_num_batched_tokens + 1)})
+                        for n in range(EAGER_PADDING_ABOVE + 1, top + 1)})
         for n in sizes:
             tokens = torch.zeros(n, dtype=torch.int64, device=self.device)
             meta = AttentionMetadata(empty, empty, empty.view(1, 1), torch.full_like(tokens, -1), 1, 1,
