@@ -11,18 +11,19 @@ import pytest
 from tests.utils import tiny_llama_fixture, tiny_llm
 from tinyvllm import SamplingParams
 from tinyvllm.worker import model_runner
-from tinyvllm.worker.model_runner import logits_row_ladder, padded_num_tokens
+from tinyvllm.worker.cuda_graphs import size_ladder
+from tinyvllm.worker.model_runner import padded_num_tokens
 
 checkpoint = tiny_llama_fixture(seed=11)
 
 
 def test_the_logits_ladder_covers_every_row_count_with_little_padding() -> None:
-    ladder = logits_row_ladder(256)
+    ladder = size_ladder(256)
     assert ladder[:5] == [1, 2, 4, 8, 16] and ladder[-1] == 256
     for n in range(1, 257):
         rows = next(r for r in ladder if r >= n)
         assert rows - n < 16
-    assert logits_row_ladder(5) == [1, 2, 4, 5]
+    assert size_ladder(5) == [1, 2, 4, 5]
 
 
 def test_large_steps_are_padded_to_a_multiple_and_never_past_the_budget() -> None:

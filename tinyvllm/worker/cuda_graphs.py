@@ -20,13 +20,17 @@ from tinyvllm.ops import AttentionMetadata
 from tinyvllm.ops.cascade_attention import CASCADE_MIN_SEQS
 
 
+def size_ladder(max_size: int) -> list[int]:
+    """The batch sizes a step is padded up to for a fixed shape: 1, 2, 4, 8, then every 16, and max_size."""
+    return sorted({b for b in (1, 2, 4, 8) if b < max_size} | set(range(16, max_size, 16)) | {max_size})
+
+
 class CudaGraphs:
     @torch.inference_mode()
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device, cascade: bool = False) -> None:
         max_bs = min(max_num_seqs, 512)
-        sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16)) + [max_bs]
-        self.batch_sizes = sorted(set(sizes))
+        self.batch_sizes = size_ladder(max_bs)
         self.buffers = dict(
             input_ids=torch.zeros(max_bs, dtype=torch.int64, device=device),
             positions=torch.zeros(max_bs, dtype=torch.int64, device=device),

@@ -18,7 +18,7 @@ from tinyvllm.contract import SchedulerOutput
 from tinyvllm.distributed import TensorParallel
 from tinyvllm.ops import AttentionMetadata
 from tinyvllm.ops.cascade_attention import common_prefix_len, use_cascade_attention
-from tinyvllm.worker.cuda_graphs import PIECEWISE_MAX_TOKENS, CudaGraphs, PiecewiseCudaGraphs
+from tinyvllm.worker.cuda_graphs import PIECEWISE_MAX_TOKENS, CudaGraphs, PiecewiseCudaGraphs, size_ladder
 from tinyvllm.worker.input_batch import LOGPROBS, MIN_TOKENS, PENALTIES, InputBatch
 from tinyvllm.worker.kv_cache import decide_num_blocks
 from tinyvllm.worker.sampler import AsyncModelRunnerOutput, Sampler, SamplingTensors, step_seeds
@@ -29,19 +29,14 @@ logger = logging.getLogger(__name__)
 # cuBLAS chooses a kernel per matrix shape, and the first use of a shape costs a heuristic query on the host and
 # may load a kernel module, which waits for the whole device: mid-step, that stalls the host behind the step
 # before (async scheduling). So on CUDA the runner keeps its products to a fixed set of shapes, met at start-up:
-# the LM head's rows are padded up a ladder, and steps too large for the piecewise CUDA graphs (which fix their
-# shapes themselves) are padded to a multiple of EAGER_TOKEN_MULTIPLE tokens (of a sixteenth of the size's power
-# of two above WARM_UP_MAX_TOKENS, whose sizes are not run at start-up: each would be a whole forward pass).
-# Padding tokens store no K/V (slot -1) and belong to no sequence; every op but attention works row by row, so
-# they never touch the real rows.
+# the LM head's rows are padded up the decode graphs' ladder of batch sizes (size_ladder), and steps too large
+# for the piecewise CUDA graphs (which fix their shapes themselves) to a multiple of EAGER_TOKEN_MULTIPLE tokens
+# (of a sixteenth of the size's power of two above WARM_UP_MAX_TOKENS, whose sizes are not run at start-up: each
+# would be a whole forward pass). Padding tokens store no K/V (slot -1) and belong to no sequence; every op but
+# attention works row by row, so they never touch the real rows.
 EAGER_TOKEN_MULTIPLE = 256
 EAGER_PADDING_ABOVE = PIECEWISE_MAX_TOKENS  # smaller steps run through the graphs, or as they are (eager mode)
 WARM_UP_MAX_TOKENS = 8192
-
-
-def logits_row_ladder(max_num_seqs: int) -> list[int]:
-    """The LM head's row counts (a step samples at most one row per sequence): 1, 2, 4, 8, then every 16."""
-    return sorted({r for r in (1, 2, 4, 8) if r < max_num_seqs} | set(range(16, max_num_seqs, 16)) | {max_num_seqs})
 
 
 def padded_num_tokens(num_tokens: int, max_num_batched_tokens: int) -> int:
@@ -96,7 +91,7 @@ class ModelRunner:
             self.piecewise_graphs = PiecewiseCudaGraphs(model, config.max_num_batched_tokens, device,
                                                         self.cuda_graphs.pool)
         self.fixed_shapes = device.type == "cuda"  # (on the CPU shapes cost nothing: the batch runs as it is)
-        self.logits_rows = logits_row_ladder(config.max_num_seqs)
+        self.logits_rows = size_ladder(config.max_num_seqs)  # (a step samples at most a row per sequence)
         if self.fixed_shapes and tp.size == 1:  # (with several ranks a warm-up would need them all)
             self.warm_up_shapes()
 
