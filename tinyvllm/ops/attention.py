@@ -96,20 +96,32 @@ def _decode_ref(
     over sequences would cost more than the arithmetic on the CPU)."""
     num_seqs, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
     num_blocks = min((meta.max_context_len + block_size - 1) // block_size, meta.block_tables.shape[1])
-    blocks = meta.block_tables[:, :num_blocks].long()
-    length = num_blocks * block_size
-    k = k_cache[blocks].reshape(num_seqs, length, num_kv_heads, head_dim).float()
-    v = v_cache[blocks].reshape(num_seqs, length, num_kv_heads, head_dim).float()
-    query = q.float().view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", query, k) * scale
-    visible = torch.arange(length, device=q.device)[None, :] < meta.context_lens[:, None]
+    query = q.float().view(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    out, _ = attend_blocks_ref(query, k_cache, v_cache, meta.block_tables[:, :num_blocks].long(), 0,
+                               meta.context_lens, scale)
+    return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)
+
+
+def attend_blocks_ref(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, first_key: int,
+    context_lens: torch.Tensor, scale: float, with_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Row t of query [T, Hkv, G, D] (float32, G query heads per KV head) against keys first_key ..
+    context_lens[t] - 1, held in blocks[t] (the row's blocks from first_key // block_size on): out [T, Hkv, G, D]
+    float32 and, with_lse, its log2-sum-exp [T, Hkv, G] (-inf without keys). A row without keys gets zeros."""
+    num_rows, num_kv_heads, _, head_dim = query.shape
+    length = blocks.shape[1] * k_cache.shape[1]
+    k = k_cache[blocks].reshape(num_rows, length, num_kv_heads, head_dim).float()
+    v = v_cache[blocks].reshape(num_rows, length, num_kv_heads, head_dim).float()
+    scores = torch.einsum("thgd,tlhd->thgl", query, k) * scale
+    positions = first_key + torch.arange(length, device=query.device)
+    visible = positions[None, :] < context_lens[:, None]
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, -1) * _LOG2E if with_lse else None
     probs = scores.softmax(-1).nan_to_num(0.0)  # a padding row (context 0) attends to nothing: zeros
     v = v.masked_fill(~visible[:, :, None, None], 0.0)  # slots past the context may hold anything, even NaN
-    out = torch.einsum("bhgl,blhd->bhgd", probs, v)
-    return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)
+    return torch.einsum("thgl,tlhd->thgd", probs, v), lse
 
 
 # ---------------------------------------------------------------------------------------------------

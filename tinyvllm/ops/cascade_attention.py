@@ -28,10 +28,9 @@ from tinyvllm.ops.attention import (
     AttentionMetadata,
     DecodeConfig,
     _check_shapes,
+    attend_blocks_ref,
     decode_config,
     decode_num_splits,
-    paged_attention_ref,
-    paged_attention_triton,
 )
 
 try:
@@ -108,19 +107,9 @@ def cascade_suffix_ref(
     seqs = _token_seqs(meta)
     first = prefix_len // block_size
     num_blocks = min((meta.max_context_len + block_size - 1) // block_size, meta.block_tables.shape[1])
-    blocks = meta.block_tables[seqs, first:max(num_blocks, first)].long()
-    length = blocks.shape[1] * block_size
-    k = k_cache[blocks].reshape(num_tokens, length, num_kv_heads, head_dim).float()
-    v = v_cache[blocks].reshape(num_tokens, length, num_kv_heads, head_dim).float()
     query = q.float().view(num_tokens, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("thgd,tlhd->thgl", query, k) * scale
-    positions = prefix_len + torch.arange(length, device=q.device)
-    visible = positions[None, :] < meta.context_lens[seqs][:, None]
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, -1) * _LOG2E
-    probs = scores.softmax(-1).nan_to_num(0.0)  # a row without keys: zeros
-    v = v.masked_fill(~visible[:, :, None, None], 0.0)  # slots past the context may hold anything, even NaN
-    out = torch.einsum("thgl,tlhd->thgd", probs, v)
+    out, lse = attend_blocks_ref(query, k_cache, v_cache, meta.block_tables[seqs, first:max(num_blocks, first)].long(),
+                                 prefix_len, meta.context_lens[seqs], scale, with_lse=True)
     return out.reshape(q.shape), lse.reshape(num_tokens, num_q_heads)
 
 
@@ -140,11 +129,9 @@ def merge_attention_ref(
 def cascade_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """paged_attention_ref computed as cascade attention computes it: the shared prefix (block_tables[0]'s
-    first meta.common_prefix_len tokens) for all tokens at once, each sequence's suffix, and the merge. Steps
-    without a common prefix, or with prompt tokens, go to paged_attention_ref."""
-    if meta.common_prefix_len is None or not meta.is_decode:
-        return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    """paged_attention_ref computed as cascade attention computes it, for a decode step with meta.common_prefix_len
+    set (ops.paged_attention sends only those here): the shared prefix (block_tables[0]'s first common_prefix_len
+    tokens) for all tokens at once, each sequence's suffix, and the merge."""
     prefix_len = int(meta.common_prefix_len[0])
     if prefix_len % k_cache.shape[1]:
         raise ValueError(f"common_prefix_len={prefix_len} is not a whole number of {k_cache.shape[1]}-token blocks")
@@ -294,11 +281,8 @@ def cascade_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     plan: CascadePlan | None = None,
 ) -> torch.Tensor:
-    """The Triton kernels of cascade_attention_ref: for a decode step with meta.common_prefix_len set, the
-    prefix pass, the suffix pass and the combine (three launches, no host syncs); otherwise
-    paged_attention_triton. `plan` overrides cascade_plan."""
-    if meta.common_prefix_len is None or not meta.is_decode:
-        return paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    """The Triton kernels of cascade_attention_ref (a decode step with meta.common_prefix_len set): the prefix
+    pass, the suffix pass and the combine, three launches and no host syncs. `plan` overrides cascade_plan."""
     _check_shapes(q, k_cache, v_cache)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0 or meta.num_seqs == 0:
