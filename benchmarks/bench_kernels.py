@@ -139,14 +139,19 @@ class Table:
         print(f"  {case}: tinyvllm {ours:.1f} {self.unit}, {peer_name} {self.rows[-1][3]}", flush=True)
 
     def print(self) -> None:
-        header = ("case", f"tinyvllm {self.unit}", "peer", f"peer {self.unit}", "ours/peer", "of copy")
-        widths = [max(len(r[i]) for r in [header, *self.rows]) for i in range(6)]
-        line = "  ".join("{:<" + str(w) + "}" for w in widths)
         print(f"\n## {self.title}\n")
-        print(line.format(*header))
-        print("  ".join("-" * w for w in widths))
-        for r in self.rows:
-            print(line.format(*r))
+        print_columns(("case", f"tinyvllm {self.unit}", "peer", f"peer {self.unit}", "ours/peer", "of copy"),
+                      self.rows)
+
+
+def print_columns(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    """The header, a rule and the rows, each column as wide as its widest cell."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    line = "  ".join("{:<" + str(w) + "}" for w in widths)
+    print(line.format(*header))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print(line.format(*r))
 
 
 def copy_ceiling() -> float:
@@ -744,16 +749,10 @@ def bench_gemv(ceiling: float) -> dict[tuple[str, int], tuple[float, float]]:
             print("  " + "  ".join(rows[-1]), flush=True)
         del weights
         torch.cuda.empty_cache()
-    header = ("product NxK", "M", "config (MxNxK tile, split, warps, stages)", "ours us", "ours GB/s", "cuBLAS us",
-              "cuBLAS GB/s", "cuBLAS/ours", "ours of copy", "cuBLAS of copy")
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    line = "  ".join("{:<" + str(w) + "}" for w in widths)
     print(f"\n## Skinny matmul vs cuBLAS, bf16, {GEMV_WEIGHTS} weights per shape in a CUDA graph "
           f"(GB/s of weight read; copy ceiling {ceiling:.0f} GB/s)\n")
-    print(line.format(*header))
-    print("  ".join("-" * w for w in widths))
-    for r in rows:
-        print(line.format(*r))
+    print_columns(("product NxK", "M", "config (MxNxK tile, split, warps, stages)", "ours us", "ours GB/s",
+                   "cuBLAS us", "cuBLAS GB/s", "cuBLAS/ours", "ours of copy", "cuBLAS of copy"), rows)
     print("\nCrossover (cuBLAS/ours > 1: ours faster):")
     for name in GEMV_SHAPES:
         slower = [m for m in GEMV_BATCHES if results[name, m][0] > results[name, m][1]]
@@ -1030,18 +1029,12 @@ def bench_fused(ceiling: float) -> None:
             print("  " + "  ".join(rows[-1]), flush=True)
         del weights
         torch.cuda.empty_cache()
-    header = ("product NxK", "M", "ours us", "ours GB/s", "ours of copy", "peer us", "peer GB/s", "peer of copy",
-              "linear.py us", "peer/ours")
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    line = "  ".join("{:<" + str(w) + "}" for w in widths)
     print(f"\n## Fused decode kernels vs the unfused step, bf16, {GEMV_WEIGHTS} weights per shape in a CUDA graph "
           f"(GB/s of weight read; copy ceiling {ceiling:.0f} GB/s)")
     print("peers: qkv = fused_add_rms_norm + cuBLAS; gate_up = fused_add_rms_norm + cuBLAS + silu_and_mul; o, down = "
           "cuBLAS; lm_head = cuBLAS logits + the sampler's greedy argmax. linear.py: its plain product alone\n")
-    print(line.format(*header))
-    print("  ".join("-" * w for w in widths))
-    for r in rows:
-        print(line.format(*r))
+    print_columns(("product NxK", "M", "ours us", "ours GB/s", "ours of copy", "peer us", "peer GB/s", "peer of copy",
+                   "linear.py us", "peer/ours"), rows)
     print("\nCrossover (peer/ours > 1: ours faster), for ops.DECODE_KERNEL_MAX_ROWS:")
     for name in GEMV_SHAPES:
         slower = [m for m in GEMV_BATCHES if results[name, m][0] > results[name, m][1]]
