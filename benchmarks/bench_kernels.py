@@ -1063,6 +1063,7 @@ def main() -> int:
     parser.add_argument("--gemv-sweep", action="store_true", help="with --gemv: also time alternative configs")
     parser.add_argument("--cascade", action="store_true", help="the cascade attention section alone (check + table)")
     parser.add_argument("--fused", action="store_true", help="the fused decode kernels alone (check + table)")
+    parser.add_argument("--sampling", action="store_true", help="the sampling table alone")
     args = parser.parse_args()
     QUICK = args.quick
     if not torch.cuda.is_available():
@@ -1076,6 +1077,11 @@ def main() -> int:
         return run_gemv(args.gemv_sweep)
     if args.cascade:
         return run_cascade(args.sweep in ("all", "cascade"))
+    if args.sampling:
+        sampling = Table("Sampling (microseconds per call; lower is better, so ours/peer < 1 wins)", "us")
+        bench_sampling(sampling)
+        sampling.print()
+        return 0
     if args.sweep and args.sweep_only:
         sweep(args.sweep)
         return 0

@@ -108,12 +108,16 @@ if triton is not None:
         return tl.maximum(best, block_best), best_index
 
     @triton.jit
-    def _race_scores(x, cols, keep, seeds, temperature):
-        """s_i = x_i/T - log(E_i) for kept tokens, -inf elsewhere; E_i = -log(U_i), U_i = tl.rand keyed by the
-        row's own seed with counter = token id (Philox is elementwise: the same numbers for a row whatever the
-        chunking, the block or ROWS)."""
-        noise = tl.log(-tl.log(tl.rand(seeds[:, None], cols)))
-        return tl.where(keep, x / temperature[:, None] - noise, float("-inf"))
+    def _race_scores(x, start, keep, seeds, temperature, BLOCK: tl.constexpr):
+        """s_i = x_i/T - log(E_i) for the kept tokens of x (the tokens [start, start + BLOCK) of each row), -inf
+        elsewhere; E_i = -log(U_i). Philox, keyed by the row's own seed, gives four numbers per call: token i
+        takes number i % 4 of the call with counter i // 4 (start is a multiple of 4), so a row's numbers depend
+        on its seed and the token ids only, whatever the chunking, the block or ROWS. One call per token, as
+        tl.rand makes, would spend most of a large batch's sampling time in Philox."""
+        quads = start // 4 + tl.arange(0, BLOCK // 4)[None, :]
+        u0, u1, u2, u3 = tl.rand4x(seeds[:, None], quads)
+        u = tl.interleave(tl.interleave(u0, u2), tl.interleave(u1, u3))  # u0[0], u1[0], u2[0], u3[0], u0[1], ...
+        return tl.where(keep, x / temperature[:, None] - tl.log(-tl.log(u)), float("-inf"))
 
     @triton.jit
     def _program_chunk(num_rows, vocab, chunk_size, ROWS: tl.constexpr):
@@ -159,7 +163,7 @@ if triton is not None:
                 in_chunk = cols < chunk_end
                 x = tl.load(base + cols, mask=row_mask[:, None] & in_chunk, other=float("-inf")).to(tl.float32)
                 best, best_index = _fold_max(x, start, best, best_index)
-                score = _race_scores(x, cols, in_chunk & (x >= threshold[:, None]), seeds, temperature)
+                score = _race_scores(x, start, in_chunk & (x >= threshold[:, None]), seeds, temperature, BLOCK)
                 race_best, race_index = _fold_max(score, start, race_best, race_index)
             race_best = tl.where(race, race_best, float("-inf"))
         else:  # greedy rows only (or all deferred to the min-p pass): the max alone
@@ -208,7 +212,7 @@ if triton is not None:
                 cols = start + tl.arange(0, BLOCK)[None, :]
                 in_chunk = cols < chunk_end
                 x = tl.load(base + cols, mask=row_mask[:, None] & in_chunk, other=float("-inf")).to(tl.float32)
-                score = _race_scores(x, cols, in_chunk & (x >= threshold[:, None]), seeds, temperature)
+                score = _race_scores(x, start, in_chunk & (x >= threshold[:, None]), seeds, temperature, BLOCK)
                 race_best, race_index = _fold_max(score, start, race_best, race_index)
             part = num_rows * num_chunks + rows * num_chunks + chunk
             tl.store(value_ptr + part, race_best, mask=race)
@@ -292,9 +296,10 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
             USE_TOP_P=bool(use_top_p), ROWS=rows, BLOCK=cutoff_block, num_warps=8, **pdl_options(logits),
         )
 
-    chunk_size = min(chunk_size or _chunk_size(num_rows, vocab, logits.device), vocab)
+    # chunks and blocks start at multiples of 4, the tokens of one Philox call (_race_scores)
+    chunk_size = min(triton.cdiv(chunk_size or _chunk_size(num_rows, vocab, logits.device), 4) * 4, vocab)
     num_chunks = triton.cdiv(vocab, chunk_size)
-    block = min(block or _MAX_BLOCK, triton.next_power_of_2(chunk_size))
+    block = max(min(block or _MAX_BLOCK, triton.next_power_of_2(chunk_size)), 4)
     # one chunk per row (small vocabularies): several rows per program, as in _tile
     rows = min(triton.next_power_of_2(num_rows), max(1, _MAX_BLOCK // block)) if num_chunks == 1 else 1
     num_warps = max(1, min(8, block // 256))
