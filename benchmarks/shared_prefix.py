@@ -3,7 +3,8 @@ own 64-token question, 128 output tokens; output tok/s and time to first token w
 and off, in the same run. `--cascade-off` adds a run with prefix caching on and cascade attention off (decode
 steps then read the shared prefix once per sequence) and prints the cascade on/off ratio. `--small` is the
 scaled-down CPU version on the embedded model. `--plot FILE` draws each run's steps (FILE-caching-on.png,
-FILE-caching-off.png, and FILE-caching-on-cascade-off.png)."""
+FILE-caching-off.png, and FILE-caching-on-cascade-off.png); `--trace` prints where each run's steps spent their
+time."""
 
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=None, help="default 128; --small: 16")
     parser.add_argument("--cascade-off", action="store_true",
                         help="also run with prefix caching on and cascade attention off, and print the ratio")
+    parser.add_argument("--trace", action="store_true",
+                        help="per step: wall clock, host and GPU time, for prompt and decode steps (as throughput.py)")
     parser.add_argument("--plot", default=None, metavar="FILE",
                         help="draw each run's steps into a PNG: FILE-caching-on.png, FILE-caching-off.png "
                         "(and with --cascade-off FILE-caching-on-cascade-off.png; needs matplotlib)")
@@ -84,11 +87,15 @@ def main() -> None:
     for caching, cascade in configs:
         name = f"caching {'on' if caching else 'off'}" + ("" if cascade else ", cascade off")
         llm = LLM(path, enable_prefix_caching=caching, cascade_attention=cascade, **kwargs)
-        recorder = StepRecorder.attach(llm) if args.plot else None
+        recorder = StepRecorder.attach(llm) if args.plot or args.trace else None
         r = results[caching, cascade] = run(llm, prompts, out_len, recorder)
         print(f"  prefix {name}: {r['output_tok_per_s']:,.0f} output tok/s "
               f"({r['seconds']:.2f} s), median TTFT {r['ttft_median_ms']:.0f} ms, hit rate {r['hit_rate']:.0%}")
-        if recorder is not None:
+        if args.trace:
+            from throughput import print_trace, summarize_trace
+
+            print_trace(summarize_trace(recorder.steps(), n))
+        if args.plot:
             plot = plot_path(args.plot, name, only=False)
             plot_steps(recorder.records, plot, f"shared-prefix, prefix {name}: "
                        f"{r['output_tok_per_s']:,.0f} output tok/s, hit rate {r['hit_rate']:.0%}\n{n - 1} measured "

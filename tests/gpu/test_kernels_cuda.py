@@ -491,8 +491,10 @@ def lm_head_weight(generator: torch.Generator, dtype: torch.dtype, tied: bool) -
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_lm_head_argmax(dtype: torch.dtype, tied: bool, m: int) -> None:
-    """The greedy tokens: in float32 torch.argmax of the logits; in bfloat16 (where accumulation order can swap
-    near-ties) tokens whose float32 logit is the row's largest up to rounding."""
+    """The greedy tokens: in float32 torch.argmax of the logits; in bfloat16 tokens whose float32 logit is the row's
+    largest up to rounding: the kernel takes the max of the logits rounded to bfloat16 (as the sampler reads
+    cuBLAS's), which merges values within one bfloat16 step of each other, and accumulation order can swap
+    near-ties."""
     generator, seed = fresh_generator()
     w = lm_head_weight(generator, dtype, tied)
     x = rand(m, HIDDEN, generator=generator, dtype=dtype)
@@ -503,8 +505,11 @@ def test_lm_head_argmax(dtype: torch.dtype, tied: bool, m: int) -> None:
     assert bool(((tokens >= 0) & (tokens < VOCAB)).all()), f"{what}: tokens out of range {tokens.tolist()}"
     if dtype == torch.float32:
         assert torch.equal(tokens, logits.argmax(-1)), f"{what}: {tokens.tolist()} != {logits.argmax(-1).tolist()}"
-    gap = (logits.max(-1).values - logits.gather(1, tokens[:, None]).squeeze(1)).max()
-    assert float(gap) <= 1e-3 * float(logits.abs().max()), f"{what}: a token's logit is {float(gap):.3g} below the max"
+    row_max = logits.max(-1).values
+    gap = row_max - logits.gather(1, tokens[:, None]).squeeze(1)
+    step = 0.0 if dtype == torch.float32 else 2.0 ** (torch.floor(torch.log2(row_max.abs())) - 7)  # bf16: 8 bits
+    excess = (gap - step).max()
+    assert float(excess) <= 1e-3 * float(logits.abs().max()), f"{what}: a token's logit is {gap.tolist()} below the max"
 
 
 @pytest.mark.parametrize("m", [1, 5, 64])

@@ -100,12 +100,19 @@ if triton is not None:
         tl.store(cutoff_ptr + rows, cutoff.to(tl.float32), mask=row_mask)
 
     @triton.jit
-    def _fold_max(x, start, best, best_index):
-        """Fold a block [ROWS, BLOCK] whose first column is token `start` into a running (max, first index of
-        the max) per row: tl.max keeps the first index within the block, strict > the earlier block."""
-        block_best, block_index = tl.max(x, axis=1, return_indices=True)
-        best_index = tl.where(block_best > best, start + block_index, best_index)
-        return tl.maximum(best, block_best), best_index
+    def _keep_max(x, cols, best, best_col):
+        """Lane by lane, the running max of blocks [ROWS, BLOCK] and the token id where it was first met (strict
+        >): no reduction per block, one per chunk (_first_max)."""
+        better = x > best
+        return tl.where(better, x, best), tl.where(better, cols, best_col)
+
+    @triton.jit
+    def _first_max(best, best_col):
+        """Per row, the max of the lanes' maxima and the lowest token id holding it: the first index of the max,
+        as one sequential scan with strict > finds it (each lane kept its first; a row of -inf: the first lane's
+        first token)."""
+        top = tl.max(best, axis=1)
+        return top, tl.min(tl.where(best == top[:, None], best_col, 2147483647), axis=1)
 
     @triton.jit
     def _race_scores(x, start, keep, seeds, temperature, BLOCK: tl.constexpr):
@@ -117,7 +124,7 @@ if triton is not None:
         quads = start // 4 + tl.arange(0, BLOCK // 4)[None, :]
         u0, u1, u2, u3 = tl.rand4x(seeds[:, None], quads)
         u = tl.interleave(tl.interleave(u0, u2), tl.interleave(u1, u3))  # u0[0], u1[0], u2[0], u3[0], u0[1], ...
-        return tl.where(keep, x / temperature[:, None] - tl.log(-tl.log(u)), float("-inf"))
+        return tl.where(keep, x * (1.0 / temperature[:, None]) - tl.log(-tl.log(u)), float("-inf"))
 
     @triton.jit
     def _program_chunk(num_rows, vocab, chunk_size, ROWS: tl.constexpr):
@@ -148,11 +155,11 @@ if triton is not None:
         race = temperature != 0
         if DEFER_MIN_P:
             race = race & ~(tl.load(min_p_ptr + rows, mask=row_mask, other=0.0) > 0)
-        best = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-        best_index = tl.zeros([ROWS], dtype=tl.int32) + chunk_start
-        race_best = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-        race_index = best_index
-        if tl.sum(race.to(tl.int32), axis=0) > 0:
+        lanes = chunk_start + tl.arange(0, BLOCK)[None, :] + tl.zeros([ROWS, BLOCK], dtype=tl.int32)
+        best = tl.full([ROWS, BLOCK], float("-inf"), dtype=tl.float32)
+        race_best, best_col, race_col = best, lanes, lanes
+        race_any = tl.sum(race.to(tl.int32), axis=0) > 0
+        if race_any:
             temperature = tl.where(temperature > 0, temperature, 1.0)  # as sample_ref: T < 0 samples at T = 1
             threshold = tl.full([ROWS], float("-inf"), dtype=tl.float32)
             if HAS_CUTOFF:  # a logit of the row, so never above its max: the most likely token survives
@@ -162,15 +169,17 @@ if triton is not None:
                 cols = start + tl.arange(0, BLOCK)[None, :]
                 in_chunk = cols < chunk_end
                 x = tl.load(base + cols, mask=row_mask[:, None] & in_chunk, other=float("-inf")).to(tl.float32)
-                best, best_index = _fold_max(x, start, best, best_index)
+                best, best_col = _keep_max(x, cols, best, best_col)
                 score = _race_scores(x, start, in_chunk & (x >= threshold[:, None]), seeds, temperature, BLOCK)
-                race_best, race_index = _fold_max(score, start, race_best, race_index)
-            race_best = tl.where(race, race_best, float("-inf"))
+                race_best, race_col = _keep_max(score, cols, race_best, race_col)
         else:  # greedy rows only (or all deferred to the min-p pass): the max alone
             for start in range(chunk_start, chunk_end, BLOCK):
                 cols = start + tl.arange(0, BLOCK)[None, :]
                 x = tl.load(base + cols, mask=row_mask[:, None] & (cols < chunk_end), other=float("-inf"))
-                best, best_index = _fold_max(x.to(tl.float32), start, best, best_index)
+                best, best_col = _keep_max(x.to(tl.float32), cols, best, best_col)
+        best, best_index = _first_max(best, best_col)
+        race_best, race_index = _first_max(race_best, race_col)
+        race_best = tl.where(race, race_best, float("-inf"))
         part = rows * num_chunks + chunk
         races = num_rows * num_chunks
         tl.store(value_ptr + part, best, mask=row_mask)
@@ -206,14 +215,15 @@ if triton is not None:
                 threshold = tl.maximum(threshold, tl.load(cutoff_ptr + rows, mask=row_mask, other=0.0))
             threshold = tl.minimum(threshold, best)
             seeds = tl.load(seeds_ptr + rows, mask=row_mask, other=0)
-            race_best = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-            race_index = tl.zeros([ROWS], dtype=tl.int32) + chunk_start
+            race_best = tl.full([ROWS, BLOCK], float("-inf"), dtype=tl.float32)
+            race_col = chunk_start + tl.arange(0, BLOCK)[None, :] + tl.zeros([ROWS, BLOCK], dtype=tl.int32)
             for start in range(chunk_start, chunk_end, BLOCK):
                 cols = start + tl.arange(0, BLOCK)[None, :]
                 in_chunk = cols < chunk_end
                 x = tl.load(base + cols, mask=row_mask[:, None] & in_chunk, other=float("-inf")).to(tl.float32)
                 score = _race_scores(x, start, in_chunk & (x >= threshold[:, None]), seeds, temperature, BLOCK)
-                race_best, race_index = _fold_max(score, start, race_best, race_index)
+                race_best, race_col = _keep_max(score, cols, race_best, race_col)
+            race_best, race_index = _first_max(race_best, race_col)
             part = num_rows * num_chunks + rows * num_chunks + chunk
             tl.store(value_ptr + part, race_best, mask=race)
             tl.store(index_ptr + part, race_index, mask=race)
