@@ -138,6 +138,10 @@ def decode_gpu_ms(llm, context: int) -> dict[str, float]:
             result[f"GPU: decode graph replay, batch 1 (inputs in + {layers} layers)"] = cuda_ms(
                 lambda: graphs.replay(input_ids, positions, meta), 100)
             hidden = graphs.replay(input_ids, positions, meta)
+            if graphs.tail_mode(SamplingTensors.greedy()) is not None:
+                result[f"GPU: decode graph replay to greedy tokens, batch 1 (inputs in + {layers} layers + LM head "
+                       "+ argmax: a whole greedy step)"] = cuda_ms(
+                    lambda: graphs.replay(input_ids, positions, meta, "greedy", SamplingTensors.greedy()), 100)
         else:
             hidden = torch.randn(1, engine.model_config.hidden_size, dtype=runner.dtype, device=device)
         greedy, rows = SamplingTensors.greedy(), np.zeros(1, dtype=np.int64)

@@ -219,7 +219,7 @@ def graph_step_ms(path: str, batch: int, context: int) -> float:
     engine = llm.llm_engine
     graphs = engine.engine_core.model_runner.cuda_graphs
     bs = next(b for b in graphs.batch_sizes if b >= batch)
-    ms = cuda_ms(graphs.graphs[bs].replay, 50)
+    ms = cuda_ms(graphs.graphs[bs, False, None].replay, 50)  # (the graph that ends in hidden states)
     print(f"  graph replay, batch {batch} (graph {bs}): {ms:.3f} ms")
     del llm, engine
     torch.cuda.empty_cache()

@@ -237,6 +237,51 @@ def test_padded_shapes_change_no_token(llama_1b: str) -> None:
         free_gpu_memory()
 
 
+def test_decode_graphs_end_in_the_same_tokens(llama_1b: str) -> None:
+    """float32: decode steps through the CUDA graphs that end in tokens (the LM head and the sampler captured)
+    draw what the graphs that end in hidden states, with the LM head and the sampler launched after them, draw:
+    greedy requests, seeded ones sampling with temperature and min-p (the "sample" tail), and top-k ones (no
+    tail: the hidden-states graph), side by side in one batch and then alone."""
+    from tinyvllm import LLM, SamplingParams
+
+    llm = LLM(llama_1b, dtype="float32", skip_tokenizer_init=True, max_model_len=1024, gpu_memory_utilization=0.3,
+              max_num_seqs=16)
+    try:
+        runner = llm.llm_engine.engine_core.model_runner
+        graphs = runner.cuda_graphs
+        assert graphs is not None and graphs.has_tails
+        modes: list[str | None] = []
+        replay = graphs.replay
+
+        def recording_replay(*args, **kwargs):
+            modes.append(args[3] if len(args) > 3 else kwargs.get("mode"))
+            return replay(*args, **kwargs)
+
+        graphs.replay = recording_replay
+        prompts = [[(i * 31 + j * 7) % 10000 for j in range(n)] for i, n in enumerate((9, 40, 130, 300))]
+        kinds = {
+            "greedy": SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+            "sample": SamplingParams(temperature=0.8, min_p=0.05, seed=7, max_tokens=24, ignore_eos=True),
+            None: SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=24, ignore_eos=True),
+        }
+        for mode, params in kinds.items():
+            modes.clear()
+            tails = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert modes and all(m == mode for m in modes), (mode, modes)
+            graphs.has_tails = False  # every decode step through the hidden-states graph
+            plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            graphs.has_tails = True
+            assert tails == plain, mode
+        mixed = [kinds["greedy"], kinds["sample"]] * 2
+        tails = [o.outputs[0].token_ids for o in llm.generate(prompts, mixed, use_tqdm=False)]
+        graphs.has_tails = False
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, mixed, use_tqdm=False)]
+        assert tails == plain
+    finally:
+        del llm
+        free_gpu_memory()
+
+
 # ------------------------------------------------------------------------------ cascade attention, on and off
 
 # Requests sharing a prefix 64 tokens past cascade attention's threshold (cached by a first request, as on a
@@ -268,7 +313,7 @@ params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
 llm.generate(prompts[:1], params, use_tqdm=False)
 tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts[1:], params, use_tqdm=False)]
 print("RESULT" + json.dumps(dict(tokens=tokens, cascade_steps=len(cascade_steps), replayed=sum(replayed),
-                                 cascade_graphs=len(graphs.cascade_graphs) if graphs else 0)))
+                                 cascade_graphs=sum(shared for _, shared, _ in graphs.graphs) if graphs else 0)))
 """
 
 

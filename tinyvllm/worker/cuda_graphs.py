@@ -6,7 +6,14 @@ costs more than running them. Each batch size of a ladder gets a graph captured 
 input buffers; a step copies its inputs into the buffers (padding rows write nowhere: slot -1, context 0)
 and replays the graph of the next size up. Sizes where cascade attention may apply get a second graph, captured
 with it: a step whose sequences share a prefix (AttentionMetadata.common_prefix_len) replays that one, its
-prefix length copied into a buffer of its own."""
+prefix length copied into a buffer of its own.
+
+Given a tail (the model runner's draw of tokens from hidden states), each also gets graphs that end in the step's
+tokens, the LM head and the sampler included, so that a decode step launches one graph and nothing after it
+but the tokens' copy to the host: one for greedy steps, and one for steps that sample with temperature and
+min-p alone (their parameters copied into buffers too). Steps that need more (top-k or top-p, whose path
+depends on the values; logprobs, penalties, min_tokens, which the host applies) replay the graph that ends in
+hidden states, and sample after it."""
 
 from __future__ import annotations
 
@@ -18,6 +25,11 @@ import torch
 from tinyvllm import ops
 from tinyvllm.ops import AttentionMetadata
 from tinyvllm.ops.cascade_attention import CASCADE_MIN_SEQS
+from tinyvllm.worker.sampler import SamplingTensors
+
+# What a graph ends in: hidden states (None), or tokens of an all-greedy step, or of one that samples
+TAIL_MODES = (None, "greedy", "sample")
+Tail = Callable[[torch.Tensor, SamplingTensors], torch.Tensor]
 
 
 def size_ladder(max_size: int) -> list[int]:
@@ -28,7 +40,8 @@ def size_ladder(max_size: int) -> list[int]:
 class CudaGraphs:
     @torch.inference_mode()
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device, cascade: bool = False) -> None:
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, cascade: bool = False,
+                 tail: Tail | None = None) -> None:
         max_bs = min(max_num_seqs, 512)
         self.batch_sizes = size_ladder(max_bs)
         self.buffers = dict(
@@ -39,11 +52,17 @@ class CudaGraphs:
             block_tables=torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int32, device=device),
             cu_query_lens=torch.arange(max_bs + 1, dtype=torch.int32, device=device),
             common_prefix_len=torch.zeros(1, dtype=torch.int32, device=device),
+            temperature=torch.zeros(max_bs, dtype=torch.float32, device=device),
+            min_p=torch.zeros(max_bs, dtype=torch.float32, device=device),
+            seeds=torch.zeros(max_bs, dtype=torch.int64, device=device),
+            top_k=torch.zeros(max_bs, dtype=torch.int64, device=device),  # (off, for every row)
+            top_p=torch.ones(max_bs, dtype=torch.float32, device=device),
         )
         b = self.buffers
         self.outputs = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.cascade_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # (captured with a common prefix)
+        self.tokens = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        # (batch size, captured with a common prefix, tail mode) -> graph
+        self.graphs: dict[tuple[int, bool, str | None], torch.cuda.CUDAGraph] = {}
         pool = None
         for bs in reversed(self.batch_sizes):
             for shared in (False, True) if cascade and bs >= CASCADE_MIN_SEQS else (False,):
@@ -52,22 +71,53 @@ class CudaGraphs:
                                          max_context_len=max_blocks_per_seq * block_size,
                                          common_prefix_len=b["common_prefix_len"] if shared else None)
                 args = (b["input_ids"][:bs], b["positions"][:bs], meta)
-                self.outputs[:bs] = model(*args)  # warm-up: compiles the kernels outside the capture
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[:bs] = model(*args)
-                pool = graph.pool()
-                (self.cascade_graphs if shared else self.graphs)[bs] = graph
+                for mode in TAIL_MODES if tail is not None else (None,):
+                    sampling = self._sampling(mode, bs)
+
+                    def step() -> None:
+                        hidden = model(*args)
+                        if mode is None:
+                            self.outputs[:bs] = hidden
+                        else:
+                            self.tokens[:bs] = tail(hidden, sampling)
+
+                    step()  # warm-up: compiles the kernels outside the capture
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        step()
+                    pool = graph.pool()
+                    self.graphs[bs, shared, mode] = graph
+        self.has_tails = tail is not None
         self.pool = pool  # (the piecewise graphs share it: no two graphs ever run at once)
-        for graph in [*self.graphs.values(), *self.cascade_graphs.values()]:
+        for graph in self.graphs.values():
             graph.replay()  # the first replay uploads the graph to the device: pay for it now, not mid-run
         torch.cuda.synchronize()
+
+    def _sampling(self, mode: str | None, bs: int) -> SamplingTensors:
+        """The sampling tensors a tail of this mode is captured with: the buffers, and fixed hints."""
+        if mode != "sample":
+            return SamplingTensors.greedy()
+        b = self.buffers
+        return SamplingTensors(b["temperature"][:bs], b["top_k"][:bs], b["top_p"][:bs], b["min_p"][:bs],
+                               b["seeds"][:bs], all_greedy=False, use_top_p=False, max_top_k=0, use_min_p=True)
 
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.batch_sizes[-1]
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The hidden states of a decode step (one token per sequence) through the graph of its size."""
+    def tail_mode(self, sampling: SamplingTensors) -> str | None:
+        """Which graph a decode step in which every sequence samples can end in: its tokens, from a greedy or a
+        temperature-and-min-p tail, or None: its hidden states."""
+        if not self.has_tails or sampling.needs_host_pass:
+            return None
+        if sampling.all_greedy:
+            return "greedy"
+        return "sample" if not sampling.use_top_p and sampling.max_top_k == 0 else None
+
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+               mode: str | None = None, sampling: SamplingTensors | None = None) -> torch.Tensor:
+        """A decode step (one token per sequence) through the graph of its size: its hidden states, or with a
+        tail `mode` (tail_mode(sampling)) its tokens. Both are buffers that the next replay overwrites, in stream
+        order: after what the caller queued to read them."""
         num_seqs = input_ids.shape[0]
         bs = next(b for b in self.batch_sizes if b >= num_seqs)
         b = self.buffers
@@ -78,12 +128,16 @@ class CudaGraphs:
         b["context_lens"][:num_seqs] = meta.context_lens
         b["context_lens"][num_seqs:bs] = 0
         b["block_tables"][:num_seqs, : meta.block_tables.shape[1]] = meta.block_tables
-        graph = self.graphs[bs]
-        if meta.common_prefix_len is not None and bs in self.cascade_graphs:
+        shared = meta.common_prefix_len is not None and (bs, True, None) in self.graphs
+        if shared:
             b["common_prefix_len"].copy_(meta.common_prefix_len)
-            graph = self.cascade_graphs[bs]
-        graph.replay()
-        return self.outputs[:num_seqs]
+        if mode == "sample":
+            assert sampling is not None
+            b["temperature"][:num_seqs] = sampling.temperature
+            b["min_p"][:num_seqs] = sampling.min_p
+            b["seeds"][:num_seqs] = sampling.seeds
+        self.graphs[bs, shared, mode].replay()
+        return self.outputs[:num_seqs] if mode is None else self.tokens[:num_seqs]
 
 
 @dataclass

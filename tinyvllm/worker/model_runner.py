@@ -87,7 +87,8 @@ class ModelRunner:
         # collectives are not captured yet: tensor parallelism runs eager.)
         if device.type == "cuda" and not config.enforce_eager and ops.triton_available() and tp.size == 1:
             self.cuda_graphs = CudaGraphs(model, config.max_num_seqs, self.max_blocks_per_seq, self.block_size,
-                                          model_config.hidden_size, dtype, device, config.cascade_attention)
+                                          model_config.hidden_size, dtype, device, config.cascade_attention,
+                                          tail=self.draw)
             self.piecewise_graphs = PiecewiseCudaGraphs(model, config.max_num_batched_tokens, device,
                                                         self.cuda_graphs.pool)
         self.fixed_shapes = device.type == "cuda"  # (on the CPU shapes cost nothing: the batch runs as it is)
@@ -242,14 +243,22 @@ class ModelRunner:
             timer[0].record()
         inputs = self.prepare(step)
         graphs, pieces = self.cuda_graphs, self.piecewise_graphs
-        if inputs.meta.is_decode and graphs is not None and graphs.fits(len(step.seq_ids)):
-            hidden = graphs.replay(inputs.input_ids, inputs.positions, inputs.meta)
+        batch, num_seqs, tokens = self.input_batch, len(step.seq_ids), None
+        if inputs.meta.is_decode and graphs is not None and graphs.fits(num_seqs):
+            # (a decode step samples every sequence, so the graph's rows are the sampled ones, in order)
+            mode = graphs.tail_mode(inputs.sampling) if len(inputs.sampled_seq_ids) == num_seqs else None
+            hidden = graphs.replay(inputs.input_ids, inputs.positions, inputs.meta, mode, inputs.sampling)
+            if mode is not None:
+                hidden, tokens = None, hidden
         elif self._runs_in_graphs(inputs.input_ids.shape[0]):
             hidden = pieces.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        batch = self.input_batch
-        if inputs.sampled_seq_ids:
+        if tokens is not None:  # the graph drew them
+            output = self.sampler.output(tokens, inputs.sampling, batch, inputs.sampled_rows, inputs.sampled_seq_ids,
+                                         batch.record_tokens, timer)
+            batch.num_tokens[inputs.sampled_rows] += 1
+        elif inputs.sampled_seq_ids:
             output = self.sample(hidden[inputs.logits_indices], inputs.sampling, inputs.sampled_rows,
                                  inputs.sampled_seq_ids, timer)
             batch.num_tokens[inputs.sampled_rows] += 1  # the tokens in flight count from now on
@@ -274,6 +283,16 @@ class ModelRunner:
                 return self.sampler.output(token_ids[:n], sampling, batch, rows, seq_ids, batch.record_tokens, timer)
         logits = self.model.compute_logits(hidden)[:n]
         return self.sampler(logits, sampling, batch, rows, seq_ids, batch.record_tokens, timer)
+
+    def draw(self, hidden: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
+        """A token for every row of `hidden` (as many as `sampling` has), for a step without logprobs, penalties
+        or min_tokens: greedy ones from the fused LM head where it applies, else from the logits through the
+        sampler, as sample() draws them. The decode CUDA graphs capture it as their tail."""
+        if not sampling.needs_logits:
+            token_ids = self.model.greedy_tokens(hidden)
+            if token_ids is not None:
+                return token_ids
+        return self.sampler.draw(self.model.compute_logits(hidden), sampling)
 
     # ---- tensor parallelism: rank 0 sends each step, the other ranks run it ---------------------------
     def stop_workers(self) -> None:

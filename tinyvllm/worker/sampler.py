@@ -20,8 +20,8 @@ from tinyvllm.worker.input_batch import InputBatch
 
 _MASK64 = (1 << 63) - 1
 # Up to this many all-greedy rows, our sampling kernel's argmax (split over the vocabulary) beats torch.argmax;
-# at 64 rows argmax is faster (benchmarks/bench_kernels.py; figures in benchmarks/RESULTS.md).
-_KERNEL_GREEDY_MAX_ROWS = 8
+# at 256 rows argmax is faster (benchmarks/bench_kernels.py --sampling; figures in benchmarks/RESULTS.md).
+_KERNEL_GREEDY_MAX_ROWS = 64
 _SEED_MULTIPLIERS = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
 
@@ -64,10 +64,17 @@ class SamplingTensors:
     any_min_tokens: bool = False
 
     @property
+    def needs_host_pass(self) -> bool:
+        """Whether some row asks for logprobs, penalties or min_tokens, which the sampler applies row by row
+        from the host's histories: else the tokens come from the logits and these tensors alone
+        (Sampler.draw), which a CUDA graph can hold."""
+        return self.any_penalties or self.any_logprobs or self.any_min_tokens
+
+    @property
     def needs_logits(self) -> bool:
         """Whether a row samples, or asks for logprobs, penalties or min_tokens: else the greedy tokens alone
         will do, and the model may take them without writing logits (LlamaForCausalLM.greedy_tokens)."""
-        return not self.all_greedy or self.any_penalties or self.any_logprobs or self.any_min_tokens
+        return not self.all_greedy or self.needs_host_pass
 
     @classmethod
     def greedy(cls, **flags: bool) -> SamplingTensors:
@@ -133,7 +140,11 @@ class Sampler:
         # N+1's copy is queued (async scheduling); N+2 reuses N's, which has been read by then.
         self._host_buffers: list[torch.Tensor] = []
         self._turn = 0
-        self._greedy: tuple[torch.Tensor, ...] = ()
+        # Sampling parameters of greedy rows (temperature 0) for the kernel's argmax, made once: not in the
+        # middle of a CUDA graph's capture, whose allocations belong to the graph's pool.
+        zeros = torch.zeros(_KERNEL_GREEDY_MAX_ROWS, dtype=torch.float32, device=device)
+        index = torch.zeros(_KERNEL_GREEDY_MAX_ROWS, dtype=torch.int64, device=device)
+        self._greedy = (zeros, index, torch.ones_like(zeros), zeros, index)
 
     def __call__(self, logits: torch.Tensor, sampling: SamplingTensors, batch: InputBatch, rows: np.ndarray,
                  seq_ids: list[int], on_ready: Callable[[list[int], list[int]], None] | None = None,
@@ -147,16 +158,19 @@ class Sampler:
             logits = self._apply_penalties(logits.float(), batch, rows)
         if sampling.any_min_tokens:
             logits = self._apply_min_tokens(logits, batch, rows)
+        return self.output(self.draw(logits, sampling), sampling, batch, rows, seq_ids, on_ready, timer, raw_logprobs)
+
+    def draw(self, logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
+        """One token per row of `logits` (penalties and min_tokens already applied), on the device. Nothing here
+        reads back or allocates outside the kernels' outputs, so a CUDA graph can hold it (CudaGraphs)."""
         if sampling.all_greedy and logits.is_cuda and logits.shape[0] <= _KERNEL_GREEDY_MAX_ROWS:
-            token_ids = ops.sample(logits, *self._greedy_rows(logits.shape[0]), use_top_p=False, max_top_k=0,
-                                   use_min_p=False)
-        elif sampling.all_greedy:
-            token_ids = logits.argmax(dim=-1)
-        else:
-            token_ids = ops.sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
-                                   sampling.seeds, use_top_p=sampling.use_top_p, max_top_k=sampling.max_top_k,
-                                   use_min_p=sampling.use_min_p)
-        return self.output(token_ids, sampling, batch, rows, seq_ids, on_ready, timer, raw_logprobs)
+            return ops.sample(logits, *(t[: logits.shape[0]] for t in self._greedy), use_top_p=False, max_top_k=0,
+                              use_min_p=False)
+        if sampling.all_greedy:
+            return logits.argmax(dim=-1)
+        return ops.sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
+                          sampling.seeds, use_top_p=sampling.use_top_p, max_top_k=sampling.max_top_k,
+                          use_min_p=sampling.use_min_p)
 
     def output(self, token_ids: torch.Tensor, sampling: SamplingTensors, batch: InputBatch, rows: np.ndarray,
                seq_ids: list[int], on_ready: Callable[[list[int], list[int]], None] | None = None,
@@ -171,15 +185,6 @@ class Sampler:
             timer[1].record()
         return AsyncModelRunnerOutput(seq_ids, token_ids, *self._to_host(token_ids), raw_logprobs, num_logprobs,
                                       sampling.any_penalties, on_ready, timer)
-
-    def _greedy_rows(self, n: int) -> tuple[torch.Tensor, ...]:
-        """Sampling parameters of n greedy rows (temperature 0), kept on the device."""
-        if not self._greedy or self._greedy[0].shape[0] < n:
-            size = max(n, _KERNEL_GREEDY_MAX_ROWS)
-            zeros = torch.zeros(size, dtype=torch.float32, device=self.device)
-            index = torch.zeros(size, dtype=torch.int64, device=self.device)
-            self._greedy = (zeros, index, torch.ones_like(zeros), zeros, index)
-        return tuple(t[:n] for t in self._greedy)
 
     def _to_host(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         if token_ids.device.type != "cuda":
