@@ -217,6 +217,23 @@ def test_paged_decode_grid_sized_for_longer_contexts() -> None:
     _close(paged_attention_triton(q, k_cache, v_cache, meta, 0.125), expected)
 
 
+def test_decode_combine_rounding_does_not_depend_on_heads_per_program(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The combine kernel sums each row's splits slot after slot: the bits are the same whether a program merges
+    one query head or several (the batch size picks how many), and close to the reference."""
+    import tinyvllm.ops.attention as attention
+
+    q, k_cache, v_cache, meta = _paged_batch([1, 1, 0, 1], [300, 17, 9, 1000], 8, 2, 64, 16, torch.float32)
+    expected = paged_attention_ref(q, k_cache, v_cache, meta, 0.125)
+    outs = []
+    for heads in (1, 4, 8):
+        monkeypatch.setattr(attention, "combine_heads", lambda num_seqs, num_q_heads, h=heads: h)
+        outs.append(paged_decode_triton(q, k_cache, v_cache, meta, 0.125, num_splits=6))
+    _close(outs[0], expected)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    monkeypatch.undo()
+    assert attention.combine_heads(1, 32) == 1 and attention.combine_heads(256, 32) == 32
+
+
 def test_decode_num_splits_heuristic() -> None:
     # batch 1, long context: many splits, of at least one 64-key tile; a big batch: one split (no combine pass)
     assert 16 <= decode_num_splits(1, 8, 8192) <= 64

@@ -321,50 +321,77 @@ if triton is not None:
             tl.store(part_ptrs, out, mask=row_valid[:, None])
             tl.store(partial_lse_ptr + part, m_i + tl.log2(l_i), mask=row_valid)
 
-    # Decode pass 2: program (sequence, query head) merges the splits that held keys:
+    # Decode pass 2: program (sequence, HEADS query heads) merges the splits that held keys:
     #   out = sum_s w_s * out_s / sum_s w_s,   w_s = exp2(lse_s - max_s lse_s)
+    # summed slot after slot (four loads in flight at a time), so that a row's rounding depends on its own pieces
+    # only: not on HEADS, nor on how many splits a CUDA graph was captured with (an eager step and a graph cut a
+    # context into the same pieces, see _split_partition; unused slots add exact zeros). A program per (sequence,
+    # head) reducing a tile of every possible slot spent most of cascade attention's time at large batches.
     # CASCADE: the row's slots are num_prefix_splits pieces of the shared prefix (prefix_len tokens, cut as
     # _split_partition cuts a context), then num_splits pieces of the row's own suffix.
+    @triton.jit
+    def _slots_used(slot, context_len, prefix_len, num_splits, num_prefix_splits, min_partition,
+                    BLOCK_N: tl.constexpr, CASCADE: tl.constexpr):
+        """Whether slot (a scalar or a tensor of slots) holds a piece with keys, and the end of the used slots."""
+        if CASCADE:
+            prefix_pieces = tl.cdiv(prefix_len, _split_partition(prefix_len, num_prefix_splits, min_partition, BLOCK_N))
+            prefix_pieces = tl.minimum(prefix_pieces, num_prefix_splits)
+            suffix_len = context_len - prefix_len
+            suffix_pieces = tl.cdiv(suffix_len, _split_partition(suffix_len, num_splits, min_partition, BLOCK_N))
+            suffix_pieces = tl.minimum(suffix_pieces, num_splits)
+            suffix_slot = slot - num_prefix_splits
+            used = (slot < prefix_pieces) | ((suffix_slot >= 0) & (suffix_slot < suffix_pieces))
+            end = num_prefix_splits + suffix_pieces
+        else:
+            end = tl.minimum(tl.cdiv(context_len, _split_partition(context_len, num_splits, min_partition, BLOCK_N)),
+                             num_splits)
+            used = slot < end
+        return used, end
+
     @triton.jit(do_not_specialize=["num_splits", "num_prefix_splits"])
     def _combine_splits_kernel(
         out_ptr, partial_out_ptr, partial_lse_ptr, cu_query_lens_ptr, context_lens_ptr, prefix_len_ptr,
         stride_ot, stride_oh, num_q_heads, num_splits, min_partition, num_prefix_splits,
-        BLOCK_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CASCADE: tl.constexpr,
-        USE_PDL: tl.constexpr,
+        HEADS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+        CASCADE: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         pdl_wait(USE_PDL)
-        seq, head = tl.program_id(0), tl.program_id(1)
+        seq = tl.program_id(0)
+        heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+        head_ok = heads < num_q_heads
         token = tl.load(cu_query_lens_ptr + seq)
         query_len = tl.load(cu_query_lens_ptr + seq + 1) - token
         context_len = tl.load(context_lens_ptr + seq)
         offs_d = tl.arange(0, HEAD_DIM)
-        out_ptrs = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d
+        out_ptrs = out_ptr + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         if query_len == 0:
             return
         if context_len <= 0:
-            tl.store(out_ptrs, tl.zeros([HEAD_DIM], dtype=out_ptr.dtype.element_ty))
+            tl.store(out_ptrs, tl.zeros([HEADS, HEAD_DIM], dtype=out_ptr.dtype.element_ty), mask=head_ok[:, None])
             return
+        prefix_len = tl.load(prefix_len_ptr) if CASCADE else 0
+        num_slots = num_prefix_splits + num_splits
+        rows = (seq * num_q_heads + heads).to(tl.int64) * num_slots  # each (sequence, head) row's first slot
         splits = tl.arange(0, BLOCK_SPLITS)
-        if CASCADE:
-            prefix_len = tl.load(prefix_len_ptr)
-            prefix_partition = _split_partition(prefix_len, num_prefix_splits, min_partition, BLOCK_N)
-            used = (splits < num_prefix_splits) & (splits < tl.cdiv(prefix_len, prefix_partition))
-            suffix_len = context_len - prefix_len
-            partition = _split_partition(suffix_len, num_splits, min_partition, BLOCK_N)
-            suffix_split = splits - num_prefix_splits
-            used |= (suffix_split >= 0) & (suffix_split < num_splits) & (suffix_split < tl.cdiv(suffix_len, partition))
-            num_slots = num_prefix_splits + num_splits
-        else:
-            partition = _split_partition(context_len, num_splits, min_partition, BLOCK_N)
-            used = (splits < num_splits) & (splits < tl.cdiv(context_len, partition))
-            num_slots = num_splits
-        part = (seq * num_q_heads + head).to(tl.int64) * num_slots + splits
-        lse = tl.load(partial_lse_ptr + part, mask=used, other=float("-inf"))
-        weight = tl.exp2(lse - tl.max(lse, axis=0))
-        part_ptrs = partial_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
-        parts = tl.load(part_ptrs, mask=used[:, None], other=0.0)
-        out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(weight, axis=0)
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
+        used, end = _slots_used(splits, context_len, prefix_len, num_splits, num_prefix_splits, min_partition,
+                                BLOCK_N, CASCADE)
+        lse = tl.load(partial_lse_ptr + rows[:, None] + splits[None, :], mask=head_ok[:, None] & used[None, :],
+                      other=float("-inf"))
+        top = tl.max(lse, axis=1)  # (exact in any order)
+        acc = tl.zeros([HEADS, HEAD_DIM], dtype=tl.float32)
+        total = tl.zeros([HEADS], dtype=tl.float32)
+        for first in range(0, end, 4):
+            for j in tl.static_range(4):
+                slot = first + j + tl.zeros([HEADS], dtype=tl.int32)  # (per row: a mask of the rows' shape)
+                slot_used, _ = _slots_used(slot, context_len, prefix_len, num_splits, num_prefix_splits,
+                                           min_partition, BLOCK_N, CASCADE)
+                mask = head_ok & slot_used
+                weight = tl.exp2(tl.load(partial_lse_ptr + rows + slot, mask=mask, other=float("-inf")) - top)
+                part = tl.load(partial_out_ptr + (rows + slot)[:, None] * HEAD_DIM + offs_d[None, :],
+                               mask=mask[:, None], other=0.0)
+                acc += part * weight[:, None]
+                total += weight
+        tl.store(out_ptrs, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
 def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
@@ -509,16 +536,28 @@ def launch_combine(
 ) -> None:
     """Decode pass 2 (_combine_splits_kernel); with prefix_len, the prefix's slots are merged too."""
     num_q_heads, head_dim = out.shape[1], out.shape[2]
-    _combine_splits_kernel[(meta.num_seqs, num_q_heads)](
+    heads = combine_heads(meta.num_seqs, num_q_heads)
+    _combine_splits_kernel[(meta.num_seqs, triton.cdiv(num_q_heads, heads))](
         out, partial_out, partial_lse, meta.cu_query_lens, meta.context_lens,
         meta.context_lens if prefix_len is None else prefix_len,
         out.stride(0), out.stride(1), num_q_heads, num_splits, min_partition, num_prefix_splits,
-        # One tile width whatever the split count: the sum's reduction tree, and so its rounding, is then
-        # the same for an eager step and a CUDA graph captured with more splits (both cut a context into
-        # the same pieces, see _split_partition). With a width per count, bf16 greedy runs parted.
-        BLOCK_SPLITS=max(_DECODE_MAX_SPLITS, triton.next_power_of_2(num_splits + num_prefix_splits)),
-        BLOCK_N=block_n, HEAD_DIM=head_dim, CASCADE=prefix_len is not None, num_warps=4, **pdl_options(out),
+        # (one width for the slots' log-sum-exps whatever the split count: no new variant mid-run)
+        HEADS=heads, BLOCK_SPLITS=max(_DECODE_MAX_SPLITS, triton.next_power_of_2(num_splits + num_prefix_splits)),
+        BLOCK_N=block_n, HEAD_DIM=head_dim, CASCADE=prefix_len is not None,
+        num_warps=max(1, min(4, heads * head_dim // 256)), **pdl_options(out),
     )
+
+
+_COMBINE_TARGET_PROGRAMS = 256
+
+
+def combine_heads(num_seqs: int, num_q_heads: int) -> int:
+    """Query heads per program of the combine kernel: as many as leave about _COMBINE_TARGET_PROGRAMS programs
+    (a power of two; one head each at small batches)."""
+    heads = triton.next_power_of_2(num_q_heads)
+    while heads > 1 and num_seqs * triton.cdiv(num_q_heads, heads) < _COMBINE_TARGET_PROGRAMS:
+        heads //= 2
+    return heads
 
 
 def paged_attention_triton(
