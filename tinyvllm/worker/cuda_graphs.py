@@ -73,18 +73,10 @@ class CudaGraphs:
                 args = (b["input_ids"][:bs], b["positions"][:bs], meta)
                 for mode in TAIL_MODES if tail is not None else (None,):
                     sampling = self._sampling(mode, bs)
-
-                    def step() -> None:
-                        hidden = model(*args)
-                        if mode is None:
-                            self.outputs[:bs] = hidden
-                        else:
-                            self.tokens[:bs] = tail(hidden, sampling)
-
-                    step()  # warm-up: compiles the kernels outside the capture
+                    self._step(model, args, bs, tail if mode else None, sampling)  # warm-up: compiles outside
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
-                        step()
+                        self._step(model, args, bs, tail if mode else None, sampling)
                     pool = graph.pool()
                     self.graphs[bs, shared, mode] = graph
         self.has_tails = tail is not None
@@ -92,6 +84,15 @@ class CudaGraphs:
         for graph in self.graphs.values():
             graph.replay()  # the first replay uploads the graph to the device: pay for it now, not mid-run
         torch.cuda.synchronize()
+
+    def _step(self, model: torch.nn.Module, args: tuple, bs: int, tail: Tail | None, sampling: SamplingTensors) -> None:
+        """What a graph of batch size bs runs: the layers into the hidden-states buffer, or with a tail on to the
+        tokens buffer."""
+        hidden = model(*args)
+        if tail is None:
+            self.outputs[:bs] = hidden
+        else:
+            self.tokens[:bs] = tail(hidden, sampling)
 
     def _sampling(self, mode: str | None, bs: int) -> SamplingTensors:
         """The sampling tensors a tail of this mode is captured with: the buffers, and fixed hints."""
