@@ -404,6 +404,48 @@ def sweep_cascade() -> None:
         torch.cuda.empty_cache()
 
 
+def cascade_passes() -> None:
+    """Microseconds of each of cascade attention's three launches at its default plan: the prefix pass alone, the
+    suffix pass alone, and the combine as what the whole adds to the two."""
+    import tinyvllm.ops.cascade_attention as cascade
+
+    scale = HEAD_DIM**-0.5
+    print("\n## Cascade attention by pass (microseconds, CUDA graphs, inputs rotated past L2)")
+    for batch in CASCADE_BATCHES:
+        sets, _, _ = cascade_sets(batch)
+        plan = cascade_plan(sets[0][0], sets[0][1], sets[0][3])
+
+        def whole(sets: list = sets, plan: CascadePlan = plan) -> None:
+            for s in sets:
+                cascade_attention_triton(s[0], s[1], s[2], s[3], scale, plan)
+
+        def partials(sets: list = sets, plan: CascadePlan = plan) -> None:
+            for s in sets:
+                cascade.cascade_partials_triton(s[0], s[1], s[2], s[3], scale, plan)
+
+        def suffix(sets: list = sets, plan: CascadePlan = plan) -> None:
+            for q, k_cache, v_cache, meta, _ in sets:
+                slots = plan.num_prefix_splits + plan.num_splits
+                out = torch.empty((meta.num_seqs, q.shape[1], slots, q.shape[2]), dtype=torch.float32, device=DEVICE)
+                lse = torch.empty((meta.num_seqs, q.shape[1], slots), dtype=torch.float32, device=DEVICE)
+                cascade.launch_decode(out, out, lse, q, k_cache, v_cache, meta, scale, plan.num_splits,
+                                      plan.min_partition, plan.decode_config, meta.common_prefix_len,
+                                      plan.num_prefix_splits)
+
+        whole_us, partials_us = (bench_graph(f, len(sets)) * 1e3 for f in (whole, partials))
+        launch_decode = cascade.launch_decode
+        cascade.launch_decode = lambda *args, **kwargs: None  # the partials without their suffix pass
+        try:
+            prefix_us = bench_graph(partials, len(sets)) * 1e3
+        finally:
+            cascade.launch_decode = launch_decode
+        suffix_us = bench_graph(suffix, len(sets)) * 1e3
+        print(f"  B={batch}: whole {whole_us:.1f} = prefix pass {prefix_us:.1f} + suffix pass {suffix_us:.1f} "
+              f"+ combine {whole_us - partials_us:.1f} (the two passes together {partials_us:.1f})", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+
+
 def run_cascade(sweep_plans: bool) -> int:
     ok = cascade_check()
     times = Table(f"Cascade attention, decode with a shared {CASCADE_PREFIX}-token prefix: microseconds per call "
@@ -413,6 +455,7 @@ def run_cascade(sweep_plans: bool) -> int:
     bench_cascade(times, rates)
     times.print()
     rates.print()
+    cascade_passes()
     if sweep_plans:
         sweep_cascade()
     return 0 if ok else 1
