@@ -185,6 +185,32 @@ if triton is not None:
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)
         return acc, m_new, l_i
 
+    @triton.jit
+    def _attend_keys(
+        q, start, end, table_ptr, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ):
+        """Query rows q [ROWS, HEAD_DIM] against keys start .. end - 1 of one block table, every row seeing all of
+        them (a decode token, or cascade attention's shared prefix): the normalized output [ROWS, HEAD_DIM] and
+        its log2-sum-exp [ROWS]."""
+        m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+        for start_n in range(start, end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, m_i, start_n, end, table_ptr, k_base, v_base,
+                stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                BLOCK_N, BLOCK_SIZE, HEAD_DIM, CAUSAL=False, BOUNDED=True,
+            )
+        return acc / l_i[:, None], m_i + tl.log2(l_i)
+
+    @triton.jit
+    def _store_partial(partial_out_ptr, partial_lse_ptr, part, out, lse, row_valid, HEAD_DIM: tl.constexpr):
+        """A piece's output and log2-sum-exp into slots `part` [ROWS] of the partials the combine kernel merges."""
+        offs_d = tl.arange(0, HEAD_DIM)
+        tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_valid[:, None])
+        tl.store(partial_lse_ptr + part, lse, mask=row_valid)
+
     # Prefill (FlashAttention-2): program (kv head, sequence, query tile). The tile holds BLOCK_Q = BLOCK_M
     # // GROUP query tokens times the GROUP heads of this KV head; token j of the sequence sits at position
     # context_len - query_len + j. Keys below the tile's first position are visible to every row (unmasked
@@ -301,25 +327,14 @@ if triton is not None:
         q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=row_valid[:, None], other=0.0)
         table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
-        k_base = k_cache_ptr + kv_head * stride_kh
-        v_base = v_cache_ptr + kv_head * stride_vh
-        m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-        for start_n in range(start, end, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, m_i, start_n, end, table_ptr, k_base, v_base,
-                stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                BLOCK_N, BLOCK_SIZE, HEAD_DIM, CAUSAL=False, BOUNDED=True,
-            )
-        out = acc / l_i[:, None]
+        out, lse = _attend_keys(q, start, end, table_ptr, k_cache_ptr + kv_head * stride_kh,
+                                v_cache_ptr + kv_head * stride_vh, stride_kb, stride_ks, stride_vb, stride_vs,
+                                qk_scale, BLOCK_G, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
         if SINGLE_SPLIT:
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
         else:
             part = (seq * num_q_heads + head).to(tl.int64) * num_slots + first_slot + split
-            part_ptrs = partial_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
-            tl.store(part_ptrs, out, mask=row_valid[:, None])
-            tl.store(partial_lse_ptr + part, m_i + tl.log2(l_i), mask=row_valid)
+            _store_partial(partial_out_ptr, partial_lse_ptr, part, out, lse, row_valid, HEAD_DIM)
 
     # Decode pass 2: program (sequence, HEADS query heads) merges the splits that held keys:
     #   out = sum_s w_s * out_s / sum_s w_s,   w_s = exp2(lse_s - max_s lse_s)

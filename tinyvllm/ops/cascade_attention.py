@@ -145,7 +145,7 @@ def cascade_attention_ref(
 # ---------------------------------------------------------------------------------------------- Triton kernels
 
 if triton is not None:
-    from tinyvllm.ops.attention import _attend_tile, _split_partition, launch_combine, launch_decode
+    from tinyvllm.ops.attention import _attend_keys, _split_partition, _store_partial, launch_combine, launch_decode
     from tinyvllm.ops.pdl import pdl_options, pdl_wait
 
     # The prefix pass: program (kv head, row tile, split). Row r of the tile is sequence r // GROUP's query
@@ -182,21 +182,11 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=row_valid[:, None], other=0.0)
-        k_base = k_cache_ptr + kv_head * stride_kh
-        v_base = v_cache_ptr + kv_head * stride_vh
-        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        for start_n in range(start, end, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, m_i, start_n, end, block_tables_ptr, k_base, v_base,
-                stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                BLOCK_N, BLOCK_SIZE, HEAD_DIM, CAUSAL=False, BOUNDED=True,
-            )
-        out = acc / l_i[:, None]
+        out, lse = _attend_keys(q, start, end, block_tables_ptr, k_cache_ptr + kv_head * stride_kh,
+                                v_cache_ptr + kv_head * stride_vh, stride_kb, stride_ks, stride_vb, stride_vs,
+                                qk_scale, BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
         part = (seq * num_q_heads + head).to(tl.int64) * num_slots + split
-        tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_valid[:, None])
-        tl.store(partial_lse_ptr + part, m_i + tl.log2(l_i), mask=row_valid)
+        _store_partial(partial_out_ptr, partial_lse_ptr, part, out, lse, row_valid, HEAD_DIM)
 
 
 # (BLOCK_M, num_warps, num_stages) of the prefix pass; its BLOCK_N is the decode tile's, so that the combine

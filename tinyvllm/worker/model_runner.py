@@ -274,25 +274,24 @@ class ModelRunner:
                timer: tuple[torch.cuda.Event, torch.cuda.Event] | None = None) -> AsyncModelRunnerOutput:
         """The next token of each sequence from the sampled positions' hidden states: row i of `hidden` is the
         input batch's row rows[i], sequence seq_ids[i], and rows past len(seq_ids) are padding (the LM head's
-        fixed shapes), dropped. A step that only needs greedy tokens takes them from the model's fused LM head
-        where it applies, which writes no logits; otherwise the logits go to the sampler."""
+        fixed shapes), dropped. Logprobs, penalties and min_tokens go through the sampler's pass over the rows;
+        other steps draw their tokens as the decode graphs' tail does (draw)."""
         batch, n = self.input_batch, len(seq_ids)
-        if not sampling.needs_logits:
-            token_ids = self.model.greedy_tokens(hidden)
-            if token_ids is not None:
-                return self.sampler.output(token_ids[:n], sampling, batch, rows, seq_ids, batch.record_tokens, timer)
-        logits = self.model.compute_logits(hidden)[:n]
-        return self.sampler(logits, sampling, batch, rows, seq_ids, batch.record_tokens, timer)
+        if sampling.needs_host_pass:
+            logits = self.model.compute_logits(hidden)[:n]
+            return self.sampler(logits, sampling, batch, rows, seq_ids, batch.record_tokens, timer)
+        return self.sampler.output(self.draw(hidden, sampling, n), sampling, batch, rows, seq_ids,
+                                   batch.record_tokens, timer)
 
-    def draw(self, hidden: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
-        """A token for every row of `hidden` (as many as `sampling` has), for a step without logprobs, penalties
-        or min_tokens: greedy ones from the fused LM head where it applies, else from the logits through the
-        sampler, as sample() draws them. The decode CUDA graphs capture it as their tail."""
+    def draw(self, hidden: torch.Tensor, sampling: SamplingTensors, n: int | None = None) -> torch.Tensor:
+        """The tokens of the first n rows of `hidden` (all: the decode CUDA graphs capture this as their tail),
+        for a step without logprobs, penalties or min_tokens: greedy ones from the fused LM head where it applies,
+        which writes no logits, else from the logits through the sampler (`sampling` has n rows)."""
         if not sampling.needs_logits:
             token_ids = self.model.greedy_tokens(hidden)
             if token_ids is not None:
-                return token_ids
-        return self.sampler.draw(self.model.compute_logits(hidden), sampling)
+                return token_ids[:n]
+        return self.sampler.draw(self.model.compute_logits(hidden)[:n], sampling)
 
     # ---- tensor parallelism: rank 0 sends each step, the other ranks run it ---------------------------
     def stop_workers(self) -> None:

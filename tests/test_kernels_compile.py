@@ -1,0 +1,68 @@
+"""The attention and sampling kernels compile for Hopper (sm_90) with Triton's own compiler, which needs no GPU, in
+a process without the interpreter: the interpreter runs kernels as Python, so what only the compiler refuses (a
+branch that is not static, mismatched types between branches, a shape it cannot lay out) would first show on the
+device. Each compiled kernel must wait for the kernel before it (programmatic dependent launch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+# Prints "compiled N". Arguments: (module, kernel, constexprs, pointer types, num_warps) per kernel; pointers not
+# named are bf16, qk_scale is a float, every other argument an int32.
+COMPILE_FOR_HOPPER = r"""
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+count = 0
+for module, name, constants, pointers, num_warps in json.loads(sys.argv[1]):
+    kernel = getattr(importlib.import_module(module), name)
+    signature = {}
+    for arg in kernel.arg_names:
+        if arg in constants:
+            signature[arg] = "constexpr"
+        elif arg.endswith("_ptr"):
+            signature[arg] = pointers.get(arg, "*bf16")
+        else:
+            signature[arg] = "fp32" if arg == "qk_scale" else "i32"
+    compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": 3})
+    assert "griddepcontrol.wait" in compiled.asm["ptx"], f"{name} {constants}: no PDL wait"
+    count += 1
+print("compiled", count)
+"""
+_ATTENTION = "tinyvllm.ops.attention"
+_PARTIALS = {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "block_tables_ptr": "*i32",
+             "cu_query_lens_ptr": "*i32", "context_lens_ptr": "*i32", "prefix_len_ptr": "*i32"}
+_SAMPLING = {"value_ptr": "*fp32", "index_ptr": "*i32", "cutoff_ptr": "*fp32", "temperature_ptr": "*fp32",
+             "min_p_ptr": "*fp32", "seeds_ptr": "*i64"}
+_DECODE = dict(GROUP=4, BLOCK_G=4, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=64, USE_PDL=True)
+CASES = [
+    *[(_ATTENTION, "_paged_decode_kernel", {**_DECODE, "SINGLE_SPLIT": single, "SKIP_PREFIX": skip}, _PARTIALS, 4)
+      for single, skip in ((True, False), (False, False), (False, True))],
+    ("tinyvllm.ops.cascade_attention", "_cascade_prefix_kernel",
+     dict(GROUP=4, BLOCK_M=64, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=64, USE_PDL=True), _PARTIALS, 4),
+    *[(_ATTENTION, "_combine_splits_kernel", dict(HEADS=heads, BLOCK_SPLITS=64, BLOCK_N=64, HEAD_DIM=64,
+                                                   CASCADE=cascade, USE_PDL=True), _PARTIALS, warps)
+      for heads, warps in ((1, 1), (16, 4)) for cascade in (False, True)],
+    ("tinyvllm.ops.sampling", "_sample_chunk_kernel",
+     dict(HAS_CUTOFF=True, DEFER_MIN_P=True, ROWS=1, BLOCK=2048, USE_PDL=True), _SAMPLING, 8),
+    ("tinyvllm.ops.sampling", "_min_p_race_kernel",
+     dict(HAS_CUTOFF=False, ROWS=1, BLOCK=2048, CHUNKS=64, USE_PDL=True), _SAMPLING, 8),
+]
+
+
+def test_attention_and_sampling_kernels_compile_for_hopper() -> None:
+    if not hasattr(__import__("triton"), "compile"):
+        pytest.skip("this Triton has no triton.compile")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER, json.dumps(CASES)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and f"compiled {len(CASES)}" in proc.stdout, proc.stderr[-3000:]
