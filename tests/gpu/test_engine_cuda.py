@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -215,40 +217,49 @@ def test_greedy_bfloat16_paths_reported(greedy_runs: GreedyRuns, pair: tuple[str
 # ------------------------------------------------------------------------------------------ fixed shapes
 
 
-def test_padded_shapes_change_no_token(llama_1b: str) -> None:
-    """float32: a first step past the graphs' 2,048 tokens (run padded to a multiple of 256) and the LM head's
-    rows padded up their ladder give the tokens of the same steps run unpadded (prefix caching off, so that
-    both runs take the same steps)."""
-    from tinyvllm import LLM, SamplingParams
+@contextmanager
+def float32_llm(llama_1b: str, **engine_args: Any) -> Iterator[Any]:
+    """An in-process float32 engine on the benchmark model, freed afterwards."""
+    from tinyvllm import LLM
 
-    llm = LLM(llama_1b, dtype="float32", skip_tokenizer_init=True, max_model_len=4096, gpu_memory_utilization=0.3,
-              max_num_seqs=16, max_num_batched_tokens=4096, enable_prefix_caching=False)
+    llm = LLM(llama_1b, dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.3, max_num_seqs=16,
+              **engine_args)
     try:
-        prompts = [[(i * 31 + j * 7) % 10000 for j in range(n)] for i, n in enumerate((2100, 9, 300))]
-        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-        runner = llm.llm_engine.engine_core.model_runner
-        assert runner.fixed_shapes
-        padded = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        runner.fixed_shapes = False
-        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert padded == plain
+        yield llm
     finally:
         del llm
         free_gpu_memory()
 
 
+def generated(llm: Any, prompts: list[list[int]], params: Any) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_padded_shapes_change_no_token(llama_1b: str) -> None:
+    """float32: a first step past the graphs' 2,048 tokens (run padded to a multiple of 256) and the LM head's
+    rows padded up their ladder give the tokens of the same steps run unpadded (prefix caching off, so that
+    both runs take the same steps)."""
+    from tinyvllm import SamplingParams
+
+    with float32_llm(llama_1b, max_model_len=4096, max_num_batched_tokens=4096, enable_prefix_caching=False) as llm:
+        prompts = [[(i * 31 + j * 7) % 10000 for j in range(n)] for i, n in enumerate((2100, 9, 300))]
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        runner = llm.llm_engine.engine_core.model_runner
+        assert runner.fixed_shapes
+        padded = generated(llm, prompts, params)
+        runner.fixed_shapes = False
+        assert padded == generated(llm, prompts, params)
+
+
 def test_decode_graphs_end_in_the_same_tokens(llama_1b: str) -> None:
     """float32: decode steps through the CUDA graphs that end in tokens (the LM head and the sampler captured)
     draw what the graphs that end in hidden states, with the LM head and the sampler launched after them, draw:
-    greedy requests, seeded ones sampling with temperature and min-p (the "sample" tail), and top-k ones (no
-    tail: the hidden-states graph), side by side in one batch and then alone."""
-    from tinyvllm import LLM, SamplingParams
+    greedy requests, seeded ones sampling with temperature and min-p (the "sample" tail), top-k ones (no tail:
+    the hidden-states graph), and greedy and sampling requests side by side (the "sample" tail)."""
+    from tinyvllm import SamplingParams
 
-    llm = LLM(llama_1b, dtype="float32", skip_tokenizer_init=True, max_model_len=1024, gpu_memory_utilization=0.3,
-              max_num_seqs=16)
-    try:
-        runner = llm.llm_engine.engine_core.model_runner
-        graphs = runner.cuda_graphs
+    with float32_llm(llama_1b, max_model_len=1024) as llm:
+        graphs = llm.llm_engine.engine_core.model_runner.cuda_graphs
         assert graphs is not None and graphs.has_tails
         modes: list[str | None] = []
         replay = graphs.replay
@@ -259,27 +270,17 @@ def test_decode_graphs_end_in_the_same_tokens(llama_1b: str) -> None:
 
         graphs.replay = recording_replay
         prompts = [[(i * 31 + j * 7) % 10000 for j in range(n)] for i, n in enumerate((9, 40, 130, 300))]
-        kinds = {
-            "greedy": SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-            "sample": SamplingParams(temperature=0.8, min_p=0.05, seed=7, max_tokens=24, ignore_eos=True),
-            None: SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=24, ignore_eos=True),
-        }
-        for mode, params in kinds.items():
+        greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        sample = SamplingParams(temperature=0.8, min_p=0.05, seed=7, max_tokens=24, ignore_eos=True)
+        top_k = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=24, ignore_eos=True)
+        for mode, params in (("greedy", greedy), ("sample", sample), (None, top_k), ("sample", [greedy, sample] * 2)):
             modes.clear()
-            tails = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            tails = generated(llm, prompts, params)
             assert modes and all(m == mode for m in modes), (mode, modes)
             graphs.has_tails = False  # every decode step through the hidden-states graph
-            plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            plain = generated(llm, prompts, params)
             graphs.has_tails = True
             assert tails == plain, mode
-        mixed = [kinds["greedy"], kinds["sample"]] * 2
-        tails = [o.outputs[0].token_ids for o in llm.generate(prompts, mixed, use_tqdm=False)]
-        graphs.has_tails = False
-        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, mixed, use_tqdm=False)]
-        assert tails == plain
-    finally:
-        del llm
-        free_gpu_memory()
 
 
 # ------------------------------------------------------------------------------ cascade attention, on and off

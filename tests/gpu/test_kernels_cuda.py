@@ -110,6 +110,46 @@ def short(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def captured(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """fn captured in a CUDA graph, and what the capture returned (its buffers, which replays rewrite): fn runs
+    once first to compile its kernels and once on a side stream, as torch recommends before a capture."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def case_batch(spec: dict, build: Callable[..., tuple]) -> tuple:
+    """build(**spec)'s batch (q, k_cache, v_cache, meta); a "max_context_len" in spec is set on meta afterwards,
+    as a CUDA graph captured for longer contexts launches."""
+    spec = dict(spec)
+    max_context_len = spec.pop("max_context_len", None)
+    batch = build(**spec)
+    if max_context_len is not None:
+        batch[3].max_context_len = max_context_len
+    return batch
+
+
+def assert_argmax_up_to_rounding(what: str, tokens: torch.Tensor, logits: torch.Tensor, dtype: torch.dtype) -> None:
+    """The greedy tokens of float32 `logits` as the LM head's argmax kernel picks them: in float32 torch.argmax;
+    in bfloat16 a token whose logit is the row's largest up to rounding (the kernel takes the max of the logits
+    rounded to bfloat16, as the sampler reads cuBLAS's, which merges values within one bfloat16 step of each
+    other, and accumulation order can swap near-ties)."""
+    if dtype == torch.float32:
+        assert torch.equal(tokens, logits.argmax(-1)), f"{what}: {tokens.tolist()} != {logits.argmax(-1).tolist()}"
+    row_max = logits.max(-1).values
+    gap = row_max - logits.gather(1, tokens[:, None]).squeeze(1)
+    step = 0.0 if dtype == torch.float32 else 2.0 ** (torch.floor(torch.log2(row_max.abs())) - 7)  # bf16: 8 bits
+    excess = (gap - step).max()
+    assert float(excess) <= 1e-3 * float(logits.abs().max()), f"{what}: a token's logit is {gap.tolist()} below the max"
+
+
 # ---------------------------------------------------------------------------------------------- elementwise
 
 
@@ -278,11 +318,8 @@ ATTENTION_CASES: dict[str, Callable[[], dict]] = {
 @pytest.mark.parametrize("case", list(ATTENTION_CASES))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_paged_attention(dtype: torch.dtype, case: str) -> None:
-    spec = ATTENTION_CASES[case]()
-    max_context_len = spec.pop("max_context_len", None)
-    q, k_cache, v_cache, meta = paged_batch(spec.pop("query_lens"), spec.pop("context_lens"), dtype, **spec)
-    if max_context_len is not None:  # as a CUDA graph captured for longer contexts launches
-        meta.max_context_len = max_context_len
+    q, k_cache, v_cache, meta = case_batch(ATTENTION_CASES[case](), lambda query_lens, context_lens, **spec:
+                                           paged_batch(query_lens, context_lens, dtype, **spec))
     scale = q.shape[-1] ** -0.5
     t0 = time.perf_counter()
     out = poisoned(paged_attention_triton, q, k_cache, v_cache, meta, scale)
@@ -300,15 +337,7 @@ def test_decode_attention_in_cuda_graph() -> None:
     batch = 32
     q, k_cache, v_cache, meta = paged_batch([1] * batch, [4096] * batch, dtype)
     scale = HEAD_DIM**-0.5
-    paged_attention_triton(q, k_cache, v_cache, meta, scale)  # compile outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        paged_attention_triton(q, k_cache, v_cache, meta, scale)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    graph, out = captured(lambda: paged_attention_triton(q, k_cache, v_cache, meta, scale))
     new_lens = torch.randint(1, 4097, (batch,), dtype=torch.int32, device=DEVICE)
     meta.context_lens.copy_(new_lens)
     q.copy_(torch.randn_like(q))
@@ -375,11 +404,8 @@ CASCADE_CASES: dict[str, Callable[[], dict]] = {
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cascade_attention(dtype: torch.dtype, case: str) -> None:
     """Cascade attention against the float32 reference, and against the plain paged kernel."""
-    spec = CASCADE_CASES[case]()
-    max_context_len = spec.pop("max_context_len", None)
-    q, k_cache, v_cache, meta = shared_prefix_batch(dtype=dtype, **spec)
-    if max_context_len is not None:
-        meta.max_context_len = max_context_len
+    q, k_cache, v_cache, meta = case_batch(CASCADE_CASES[case](), lambda **spec: shared_prefix_batch(dtype=dtype,
+                                                                                                      **spec))
     scale = q.shape[-1] ** -0.5
     out = poisoned(cascade_attention_triton, q, k_cache, v_cache, meta, scale)
     ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), without_prefix(meta), scale)
@@ -395,15 +421,7 @@ def test_cascade_attention_in_cuda_graph() -> None:
     q, k_cache, v_cache, meta = shared_prefix_batch(1024, rand_lens(batch, 1, 192), dtype)
     meta.max_context_len = 8192
     scale = HEAD_DIM**-0.5
-    cascade_attention_triton(q, k_cache, v_cache, meta, scale)  # compile outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        cascade_attention_triton(q, k_cache, v_cache, meta, scale)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = cascade_attention_triton(q, k_cache, v_cache, meta, scale)
+    graph, out = captured(lambda: cascade_attention_triton(q, k_cache, v_cache, meta, scale))
     # only the first 512 tokens taken as shared now, and each sequence's context shortened within its own blocks
     meta.common_prefix_len.fill_(512)
     suffix_lens = meta.context_lens - 1024
@@ -491,10 +509,7 @@ def lm_head_weight(generator: torch.Generator, dtype: torch.dtype, tied: bool) -
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_lm_head_argmax(dtype: torch.dtype, tied: bool, m: int) -> None:
-    """The greedy tokens: in float32 torch.argmax of the logits; in bfloat16 tokens whose float32 logit is the row's
-    largest up to rounding: the kernel takes the max of the logits rounded to bfloat16 (as the sampler reads
-    cuBLAS's), which merges values within one bfloat16 step of each other, and accumulation order can swap
-    near-ties."""
+    """The greedy tokens, against the float32 logits (assert_argmax_up_to_rounding)."""
     generator, seed = fresh_generator()
     w = lm_head_weight(generator, dtype, tied)
     x = rand(m, HIDDEN, generator=generator, dtype=dtype)
@@ -503,13 +518,7 @@ def test_lm_head_argmax(dtype: torch.dtype, tied: bool, m: int) -> None:
     what = f"lm_head argmax {'tied' if tied else 'untied'} M={m} {short(dtype)} (seed {seed})"
     assert tokens.dtype == torch.int64 and tokens.shape == (m,), what
     assert bool(((tokens >= 0) & (tokens < VOCAB)).all()), f"{what}: tokens out of range {tokens.tolist()}"
-    if dtype == torch.float32:
-        assert torch.equal(tokens, logits.argmax(-1)), f"{what}: {tokens.tolist()} != {logits.argmax(-1).tolist()}"
-    row_max = logits.max(-1).values
-    gap = row_max - logits.gather(1, tokens[:, None]).squeeze(1)
-    step = 0.0 if dtype == torch.float32 else 2.0 ** (torch.floor(torch.log2(row_max.abs())) - 7)  # bf16: 8 bits
-    excess = (gap - step).max()
-    assert float(excess) <= 1e-3 * float(logits.abs().max()), f"{what}: a token's logit is {gap.tolist()} below the max"
+    assert_argmax_up_to_rounding(what, tokens, logits, dtype)
 
 
 @pytest.mark.parametrize("m", [1, 5, 64])
@@ -550,10 +559,7 @@ def test_fused_layer_chain_in_cuda_graph(m: int) -> None:
 
     x.copy_(rand(m, HIDDEN, generator=generator, dtype=dtype))
     residual.copy_(rand(m, HIDDEN, generator=generator, dtype=dtype))
-    chain()  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain()
+    graph, out = captured(chain)
     for replay in range(2):
         x.copy_(rand(m, HIDDEN, generator=generator, dtype=dtype))
         residual.copy_(rand(m, HIDDEN, generator=generator, dtype=dtype))
@@ -570,9 +576,7 @@ def test_fused_layer_chain_in_cuda_graph(m: int) -> None:
         assert_close(what + ": gate_up", gated, ref_gated, dtype)
         assert_close(what + ": residual after the MLP", residual2, ref_residual2, dtype)
         assert_close(what + ": down", down, fused_linear_ref(gated.float(), w_down.float()), dtype)
-        logits = down.float() @ w_head.float().t()
-        gap = (logits.max(-1).values - logits.gather(1, tokens[:, None]).squeeze(1)).max()
-        assert float(gap) <= 1e-3 * float(logits.abs().max()), f"{what}: lm_head argmax off by {float(gap):.3g}"
+        assert_argmax_up_to_rounding(what + ": lm_head argmax", tokens, down.float() @ w_head.float().t(), dtype)
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(out, (qkv, residual1, attn, gated, residual2, down, tokens))), \
