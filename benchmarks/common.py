@@ -47,7 +47,8 @@ def commit() -> str:
         return os.environ["TINYVLLM_COMMIT"]
     try:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True).strip()
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                                       stderr=subprocess.DEVNULL).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

@@ -1,9 +1,13 @@
 """The model runner's own state of the sequences it holds, built from the scheduler's messages alone.
 
 Each sequence holds a row of persistent host arrays: its block table (only blocks it gained are
-written), its sampling parameters (written once), and counts. A step gathers the rows it needs with numpy,
-so its host cost is a few numpy calls plus one short loop for the token ids, not a Python pass over
-every block of every sequence. Rows of freed sequences are reused."""
+written), its sampling parameters (written once), counts, and its newest token. A step gathers the rows it
+needs with numpy, so its host cost is a few numpy calls (and a short loop over the rows with prompt tokens),
+not a Python pass over every sequence, let alone every block. Rows of freed sequences are reused.
+
+A sequence's tokens after those the scheduler sent with it (NewSequence.token_ids) are its outputs, and each is
+the input of one decode step: the row keeps only the newest (last_token). Only a row with penalties keeps
+every token it reads back, for the sampler to count."""
 
 from __future__ import annotations
 
@@ -31,19 +35,24 @@ class InputBatch:
         self.min_p = np.zeros(capacity, dtype=np.float32)
         self.seeds = np.zeros(capacity, dtype=np.uint64)
         self.needs = np.zeros(capacity, dtype=np.int8)  # PENALTIES | LOGPROBS | MIN_TOKENS
-        # Per row: the tokens read back so far (prompt first), the parameters, min_tokens' stop ids.
+        self.seq_ids = np.full(capacity, -1, dtype=np.int64)  # each row's sequence, -1 when free
+        self.num_sent = np.zeros(capacity, dtype=np.int64)  # tokens sent with the sequence (NewSequence)
+        self.num_known = np.zeros(capacity, dtype=np.int64)  # tokens read back (those in flight not)
+        self.last_token = np.zeros(capacity, dtype=np.int64)  # the newest of them
+        # Per row: the tokens sent with the sequence (with penalties: and every token read back since), the
+        # parameters, min_tokens' stop ids.
         self.token_ids: list[list[int]] = [[] for _ in range(capacity)]
         self.params: list[SamplingParams | None] = [None] * capacity
         self.stop_token_ids: list[tuple[int, ...]] = [()] * capacity
 
     _ARRAYS = ("block_tables", "num_blocks", "num_computed", "num_tokens", "num_prompt", "temperature", "top_k",
-               "top_p", "min_p", "seeds", "needs")
+               "top_p", "min_p", "seeds", "needs", "seq_ids", "num_sent", "num_known", "last_token")
 
     def _grow(self) -> None:
         old = self.block_tables.shape[0]
         for name in self._ARRAYS:
             array = getattr(self, name)
-            grown = np.zeros((2 * old, *array.shape[1:]), dtype=array.dtype)
+            grown = np.full((2 * old, *array.shape[1:]), -1 if name == "seq_ids" else 0, dtype=array.dtype)
             grown[:old] = array
             setattr(self, name, grown)
         self.token_ids += [[] for _ in range(old)]
@@ -70,6 +79,9 @@ class InputBatch:
         self.seeds[row] = new.seed
         self.needs[row] = (PENALTIES * p.has_penalties | LOGPROBS * (p.logprobs is not None)
                            | MIN_TOKENS * (p.min_tokens > 0))
+        self.seq_ids[row] = new.seq_id
+        self.num_sent[row] = self.num_known[row] = len(new.token_ids)
+        self.last_token[row] = new.token_ids[-1]
         self.token_ids[row] = new.token_ids
         self.params[row] = p
         self.stop_token_ids[row] = new.stop_token_ids
@@ -77,6 +89,7 @@ class InputBatch:
     def remove(self, seq_id: int) -> None:
         row = self.row_of.pop(seq_id, None)
         if row is not None:
+            self.seq_ids[row] = -1
             self.token_ids[row] = []
             self.params[row] = None
             self._free_rows.append(row)
@@ -86,11 +99,14 @@ class InputBatch:
         self.block_tables[row, start:start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
 
-    def record_tokens(self, seq_ids: list[int], token_ids: list[int]) -> None:
-        """A step's sampled tokens, read back: each joins its sequence's history (if the runner still holds
-        the sequence: one freed since keeps nothing)."""
-        row_of = self.row_of
-        for seq_id, token in zip(seq_ids, token_ids):
-            row = row_of.get(seq_id)
-            if row is not None:
-                self.token_ids[row].append(token)
+    def record_tokens(self, rows: np.ndarray, seq_ids: np.ndarray, token_ids: np.ndarray) -> None:
+        """A step's sampled tokens, read back: token i is that of sequence seq_ids[i], which held row rows[i]
+        when the step was launched. A row freed since (and perhaps given to another sequence) keeps nothing."""
+        held = self.seq_ids[rows] == seq_ids
+        if not held.all():
+            rows, token_ids = rows[held], token_ids[held]
+        self.last_token[rows] = token_ids
+        self.num_known[rows] += 1
+        with_penalties = np.flatnonzero(self.needs[rows] & PENALTIES)
+        for i in with_penalties.tolist():
+            self.token_ids[int(rows[i])].append(int(token_ids[i]))

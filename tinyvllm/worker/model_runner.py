@@ -156,20 +156,20 @@ class ModelRunner:
         width = int((ends.max() + bs - 1) // bs)
         tables = batch.block_tables[rows, :width]
 
-        input_ids: list[int] = []
-        pending_dst: list[int] = []
-        pending_src: list[int] = []
+        # An input is a token sent with its sequence (a prompt chunk; after a preemption, outputs recomputed), or
+        # else its newest output, the one input of a decode: known on the host, or (async scheduling) sampled by
+        # the step before and not read back yet, then taken from that step's output on the device.
+        ids = np.empty(total, dtype=np.int64)
+        last = cu[1:] - 1  # each sequence's last input
+        sent = ends <= batch.num_sent[rows]
+        for i in np.flatnonzero(sent).tolist():
+            ids[cu[i]:cu[i + 1]] = batch.token_ids[rows[i]][starts[i]:ends[i]]
+        newest = ~sent
+        ids[last[newest]] = batch.last_token[rows[newest]]
+        in_flight = newest & (starts == batch.num_known[rows])
         prev = self._last_output
-        for i, row in enumerate(rows.tolist()):
-            start, end = int(starts[i]), int(ends[i])
-            history = batch.token_ids[row]
-            input_ids.extend(history[start:end])
-            if end > len(history):
-                # Only the previous step's token can be in flight, and it is this step's last input.
-                assert prev is not None and end == len(history) + 1, (step.seq_ids[i], start, end, len(history))
-                input_ids.append(0)
-                pending_dst.append(int(cu[i + 1]) - 1)
-                pending_src.append(prev.row_of[step.seq_ids[i]])
+        assert not newest.any() or (num_new[newest] == 1).all(), "an output is the input of one decode alone"
+        assert not in_flight.any() or prev is not None, "a token in flight without the step that sampled it"
         sampled = np.flatnonzero(ends == batch.num_tokens[rows])
         logits_indices = cu[1:][sampled] - 1
         padded = total
@@ -180,13 +180,12 @@ class ModelRunner:
             if total > n and not self._runs_in_graphs(total):
                 padded = padded_num_tokens(total, self.config.max_num_batched_tokens)
         sample_rows = rows[sampled]
-        sampled_seq_ids = [step.seq_ids[i] for i in sampled.tolist()]
+        sampled_seq_ids = step.seq_ids if len(sampled) == n else [step.seq_ids[i] for i in sampled.tolist()]
         temperature = batch.temperature[sample_rows]
         greedy = temperature == 0
         all_greedy = bool(greedy.all())
         # The model's fields, then only when the step needs them (each costs host time on a slow CPU) the places
         # of the inputs in flight and the sampling parameters.
-        ids = np.array(input_ids, dtype=np.int64)
         if padded > total:
             extra = padded - total
             ids, positions = np.pad(ids, (0, extra)), np.pad(positions, (0, extra))
@@ -198,9 +197,9 @@ class ModelRunner:
             prefix_len = common_prefix_len(tables, ends, bs)
             if use_cascade_attention(prefix_len, n):
                 arrays.update(common_prefix_len=np.array([prefix_len], dtype=np.int32))
-        if pending_dst:
-            arrays.update(pending_dst=np.array(pending_dst, dtype=np.int64),
-                          pending_src=np.array(pending_src, dtype=np.int64))
+        pending = in_flight.any()
+        if pending:
+            arrays.update(pending_dst=last[in_flight], pending_src=prev.places(rows[in_flight]))
         if not all_greedy:
             num_outputs = batch.num_tokens[sample_rows] - batch.num_prompt[sample_rows]
             top_k = batch.top_k[sample_rows]
@@ -209,7 +208,7 @@ class ModelRunner:
                           seeds=step_seeds(batch.seeds[sample_rows], num_outputs))
         buffer, layout = self._staging.upload(arrays)
         t = views(buffer, layout)
-        if pending_dst:
+        if pending:
             t["input_ids"][t["pending_dst"]] = prev.token_ids[t["pending_src"]]
         max_query_len, max_context_len = int(num_new.max()), int(ends.max())
         if self.tp.size > 1:
@@ -266,7 +265,8 @@ class ModelRunner:
             if timer is not None:
                 timer[1].record()
             empty = torch.empty(0, dtype=torch.int64)
-            output = AsyncModelRunnerOutput([], empty, empty, None, None, None, False, None, timer)
+            output = AsyncModelRunnerOutput([], np.empty(0, dtype=np.int64), empty, empty, None, None, None, False,
+                                            None, timer)
         self._last_output = output
         return output
 

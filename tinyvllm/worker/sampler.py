@@ -6,7 +6,6 @@ async scheduling) and are copied to pinned host memory behind an event; AsyncMod
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -83,32 +82,41 @@ class SamplingTensors:
                    **flags)
 
 
+# What a step's output calls when its tokens are on the host: (input batch rows at launch, their sequences' ids,
+# the tokens), as InputBatch.record_tokens takes them.
+OnReady = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
+
+
 class AsyncModelRunnerOutput:
     """A step's sampled tokens on their way to the host. `token_ids` (on the device) feeds the next step's
-    inputs; get() waits for the copy and returns the ModelRunnerOutput."""
+    inputs; get() waits for the copy and returns the ModelRunnerOutput. Token i is sequence seq_ids[i]'s, which
+    held the input batch's row rows[i] when the step was launched."""
 
-    def __init__(self, seq_ids: list[int], token_ids: torch.Tensor, host: torch.Tensor,
+    def __init__(self, seq_ids: list[int], rows: np.ndarray, token_ids: torch.Tensor, host: torch.Tensor,
                  event: torch.cuda.Event | None, raw_logprobs: torch.Tensor | None,
-                 num_logprobs: list[int | None] | None, has_penalties: bool,
-                 on_ready: Callable[[list[int], list[int]], None] | None = None,
+                 num_logprobs: list[int | None] | None, has_penalties: bool, on_ready: OnReady | None = None,
                  timer: tuple[torch.cuda.Event, torch.cuda.Event] | None = None) -> None:
         self.seq_ids = seq_ids
+        self.rows = rows
         self.token_ids = token_ids
         self.has_penalties = has_penalties  # the next step cannot overlap this one: it needs these tokens
         self._host, self._event, self._raw_logprobs = host, event, raw_logprobs
         self._num_logprobs, self._on_ready, self._timer = num_logprobs, on_ready, timer
 
-    @functools.cached_property
-    def row_of(self) -> dict[int, int]:
-        """seq_id -> row of token_ids (only a next step with inputs in flight asks)."""
-        return {seq_id: row for row, seq_id in enumerate(self.seq_ids)}
+    def places(self, rows: np.ndarray) -> np.ndarray:
+        """Where in token_ids the tokens of these input batch rows are (rows whose token this step sampled and
+        that their sequences still hold: the next step's inputs in flight)."""
+        place = np.zeros(int(self.rows.max()) + 1, dtype=np.int64)
+        place[self.rows] = np.arange(len(self.rows))
+        return place[rows]
 
     def get(self) -> ModelRunnerOutput:
         if self._event is not None:
             self._event.synchronize()
-        token_ids = self._host.tolist()
+        host = self._host.numpy()
+        token_ids = host.tolist()
         if self._on_ready is not None:
-            self._on_ready(self.seq_ids, token_ids)
+            self._on_ready(self.rows, np.array(self.seq_ids, dtype=np.int64), host)
         logprobs: list[dict[int, Logprob] | None] = [None] * len(self.seq_ids)
         if self._raw_logprobs is not None and self._num_logprobs is not None:
             for row, (token, top_n) in enumerate(zip(token_ids, self._num_logprobs)):
@@ -147,7 +155,7 @@ class Sampler:
         self._greedy = (zeros, index, torch.ones_like(zeros), zeros, index)
 
     def __call__(self, logits: torch.Tensor, sampling: SamplingTensors, batch: InputBatch, rows: np.ndarray,
-                 seq_ids: list[int], on_ready: Callable[[list[int], list[int]], None] | None = None,
+                 seq_ids: list[int], on_ready: OnReady | None = None,
                  timer: tuple[torch.cuda.Event, torch.cuda.Event] | None = None) -> AsyncModelRunnerOutput:
         """Sample one token for each row of `logits`: row i is the batch's row rows[i], sequence seq_ids[i].
         Its outputs so far (num_tokens - num_prompt: before this step's token) count for min_tokens."""
@@ -173,7 +181,7 @@ class Sampler:
                           use_min_p=sampling.use_min_p)
 
     def output(self, token_ids: torch.Tensor, sampling: SamplingTensors, batch: InputBatch, rows: np.ndarray,
-               seq_ids: list[int], on_ready: Callable[[list[int], list[int]], None] | None = None,
+               seq_ids: list[int], on_ready: OnReady | None = None,
                timer: tuple[torch.cuda.Event, torch.cuda.Event] | None = None,
                raw_logprobs: torch.Tensor | None = None) -> AsyncModelRunnerOutput:
         """The step's output from tokens already drawn (by __call__, or by the model's greedy LM head), on their
@@ -183,7 +191,7 @@ class Sampler:
             num_logprobs = [p.logprobs for p in (batch.params[row] for row in rows.tolist())]
         if timer is not None:
             timer[1].record()
-        return AsyncModelRunnerOutput(seq_ids, token_ids, *self._to_host(token_ids), raw_logprobs, num_logprobs,
+        return AsyncModelRunnerOutput(seq_ids, rows, token_ids, *self._to_host(token_ids), raw_logprobs, num_logprobs,
                                       sampling.any_penalties, on_ready, timer)
 
     def _to_host(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
