@@ -34,6 +34,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, policy: str = "continuous", share_prefix_computation: bool = True) -> None:
         self.block_manager = block_manager
+        self.block_size = block_manager.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -90,14 +91,15 @@ class Scheduler:
 
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        running = self.running  # (a preemption pops from this same list)
+        while i < len(running) and budget > 0:
+            seq = running[i]
             if seq.num_output_tokens >= seq.params.max_tokens:
                 i += 1  # its last token is in flight: it finishes when that is read back
                 continue
             num_new = self._try_allocate(seq, budget)
             while num_new is None:
-                victim = self.running.pop()  # the youngest
+                victim = running.pop()  # the youngest
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -142,20 +144,23 @@ class Scheduler:
         """Fill in what the runner needs of each scheduled sequence, and count the step's tokens as computed
         (their K/V are written in stream order before any later step reads them); a sequence whose last
         token is in the step gets a placeholder for the token it samples."""
+        seq_ids = out.seq_ids
         for seq, num_new in zip(scheduled, out.num_new_tokens):
-            out.seq_ids.append(seq.seq_id)
+            seq_ids.append(seq.seq_id)
+            num_blocks = len(seq.block_table)
             if seq.num_sent_blocks < 0:
                 out.new_seqs.append(NewSequence(
                     seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, seq.num_computed_tokens,
                     list(seq.block_table), seq.params, seq.seed, tuple(seq.stop_token_ids)))
-                seq.num_sent_blocks = len(seq.block_table)
-            elif len(seq.block_table) > seq.num_sent_blocks:
+                seq.num_sent_blocks = num_blocks
+            elif num_blocks > seq.num_sent_blocks:
                 out.new_block_ids[seq.seq_id] = seq.block_table[seq.num_sent_blocks:]
-                seq.num_sent_blocks = len(seq.block_table)
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self.num_prompt_tokens += min(seq.num_prompt_tokens - seq.num_computed_tokens, num_new)
-            seq.num_computed_tokens += num_new
-            if seq.num_computed_tokens == seq.num_tokens:
+                seq.num_sent_blocks = num_blocks
+            num_computed = seq.num_computed_tokens
+            if num_computed < seq.num_prompt_tokens:
+                self.num_prompt_tokens += min(seq.num_prompt_tokens - num_computed, num_new)
+            seq.num_computed_tokens = num_computed = num_computed + num_new
+            if num_computed == len(seq.token_ids) + seq.num_output_placeholders:  # (Sequence.num_tokens)
                 seq.num_output_placeholders += 1
 
     def _start_running(self, seq: Sequence, now: float) -> None:
@@ -181,8 +186,9 @@ class Scheduler:
         A sequence without blocks first takes what the prefix cache holds of it, and claims the full blocks
         after that, which it computes."""
         if seq.block_table:  # the common case, a decode whose token fits in its last block: nothing to do
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if seq.num_computed_tokens + num_new <= len(seq.block_table) * self.block_manager.block_size:
+            num_computed = seq.num_computed_tokens
+            num_new = min(seq.num_tokens - num_computed, budget)
+            if num_computed + num_new <= len(seq.block_table) * self.block_size:
                 return num_new
         starting = not seq.block_table
         cached = self.block_manager.find_cached_prefix(seq) if starting else []
@@ -212,32 +218,41 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
         """Take a step's sampled tokens: append each to its sequence, finish those that hit a stop token or
         their length, cache the full blocks of the step's sequences (those that just finished too, so that
-        a follow-up prompt holding their output finds it), and free the finished ones."""
-        outputs = EngineCoreOutputs()
+        a follow-up prompt holding their output finds it), and free the finished ones. (This runs for every
+        sequence at every step: the loops keep to plain attributes and local names.)"""
+        request_ids: list[str] = []
+        indexes: list[int] = []
+        token_ids: list[int] = []
+        outputs = EngineCoreOutputs(request_ids, indexes, token_ids)
         finished: list[Sequence] = []
+        seqs = self.seqs
         for seq_id, token, logprobs in zip(result.seq_ids, result.sampled_token_ids, result.logprobs):
-            seq = self.seqs.get(seq_id)
+            seq = seqs.get(seq_id)
             if seq is None:  # it stopped at its previous token, or was aborted: this token is dropped
                 continue
             seq.num_output_placeholders -= 1
             seq.token_ids.append(token)
-            self._check_stop(seq, token)
-            entry = outputs.add(seq.request_id, seq.index, token)
-            if seq.is_finished:
+            entry = len(token_ids)
+            request_ids.append(seq.request_id)
+            indexes.append(seq.index)
+            token_ids.append(token)
+            if self._check_stop(seq, token):
                 finished.append(seq)
                 outputs.finished[entry] = (seq.finish_reason, seq.stop_reason)
             if logprobs is not None:
                 outputs.logprobs[entry] = logprobs
             if len(seq.token_ids) == seq.num_prompt_tokens + 1:
                 outputs.first[entry] = (seq.num_cached_tokens, seq.first_scheduled_time)
-        for seq_id in out.seq_ids:
-            seq = self.seqs.get(seq_id)
-            if seq is not None and seq.block_table:
-                self.block_manager.cache_computed_blocks(seq)
+        if self.block_manager.enable_prefix_caching:
+            cache = self.block_manager.cache_computed_blocks
+            for seq_id in out.seq_ids:
+                seq = seqs.get(seq_id)
+                if seq is not None and seq.block_table:
+                    cache(seq)
         if finished:
             self.running = [s for s in self.running if not s.is_finished]
             for seq in finished:
-                del self.seqs[seq.seq_id]
+                del seqs[seq.seq_id]
                 if seq.block_table:  # (a preempted one has none)
                     self._free(seq)
         if self._waiting_with_placeholder:  # its token is known now: drop it if that token finished it
@@ -245,10 +260,14 @@ class Scheduler:
             self._waiting_with_placeholder = False
         return outputs
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
+    def _check_stop(self, seq: Sequence, token: int) -> bool:
+        """Finish seq if its new token is a stop token or its last; whether it did."""
         num_outputs = len(seq.token_ids) - seq.num_prompt_tokens  # this token's number
         params = seq.params
-        if num_outputs >= params.min_tokens and token in seq.stop_token_ids:
+        if token in seq.stop_token_ids and num_outputs >= params.min_tokens:
             self._set_finished(seq, "stop", None if token in seq.eos_token_ids and not params.ignore_eos else token)
         elif num_outputs >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             self._set_finished(seq, "length", None)
+        else:
+            return False
+        return True
