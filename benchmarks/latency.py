@@ -109,39 +109,37 @@ def step_breakdown(llm, prompt_len: int, output_len: int,
 
 def decode_gpu_ms(llm, context: int) -> dict[str, float]:
     """GPU time (CUDA events) of one decode at batch 1 and `context` tokens through the model runner's CUDA
-    graphs (with the copy of the inputs into the graph's buffers), if it has them, and of a greedy step's
+    graphs (with the copy of the inputs into the graph's buffer), if it has them, and of a greedy step's
     sampling as the runner does it (ModelRunner.sample: the LM head's fused argmax where it applies) and through
     the logits and the sampler (both with the tokens' copy to the host)."""
     import numpy as np
     import torch
 
-    from tinyvllm.ops import AttentionMetadata
     from tinyvllm.worker.sampler import SamplingTensors
 
     engine = llm.llm_engine
     runner, block_size, device = engine.engine_core.model_runner, engine.config.block_size, engine.device
     num_blocks = min(-(-context // block_size), engine.engine_core.block_manager.num_blocks)
     context = min(context, num_blocks * block_size)
-    meta = AttentionMetadata(  # one sequence, its KV in blocks 0, 1, ...; slot -1: the step stores no K/V
-        cu_query_lens=torch.tensor([0, 1], dtype=torch.int32, device=device),
-        context_lens=torch.tensor([context], dtype=torch.int32, device=device),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
-        slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=device), max_query_len=1,
-        max_context_len=context)
-    input_ids = torch.full((1,), 100, dtype=torch.int64, device=device)
-    positions = torch.full((1,), context - 1, dtype=torch.int64, device=device)
+    # One sequence, its KV in blocks 0, 1, ...; slot -1: the step stores no K/V
+    arrays = dict(input_ids=np.full(1, 100), positions=np.full(1, context - 1), slot_mapping=np.full(1, -1),
+                  context_lens=np.array([context], dtype=np.int32), logits_indices=np.zeros(1, dtype=np.int64),
+                  block_tables=np.arange(num_blocks, dtype=np.int32)[None])
     result = {}
     with torch.inference_mode():  # the engine's tensors are inference tensors
         graphs = runner.cuda_graphs
         if graphs is not None:
+
+            def step(mode: str | None = None) -> torch.Tensor:
+                graphs.inputs.upload(runner._staging, arrays, 1)
+                return graphs.replay(1, False, mode)
+
             layers = engine.model_config.num_layers
-            result[f"GPU: decode graph replay, batch 1 (inputs in + {layers} layers)"] = cuda_ms(
-                lambda: graphs.replay(input_ids, positions, meta), 100)
-            hidden = graphs.replay(input_ids, positions, meta)
+            result[f"GPU: decode graph replay, batch 1 (inputs in + {layers} layers)"] = cuda_ms(step, 100)
+            hidden = step()[:1]
             if graphs.tail_mode(SamplingTensors.greedy()) is not None:
                 result[f"GPU: decode graph replay to greedy tokens, batch 1 (inputs in + {layers} layers + LM head "
-                       "+ argmax: a whole greedy step)"] = cuda_ms(
-                    lambda: graphs.replay(input_ids, positions, meta, "greedy", SamplingTensors.greedy()), 100)
+                       "+ argmax: a whole greedy step)"] = cuda_ms(lambda: step("greedy"), 100)
         else:
             hidden = torch.randn(1, engine.model_config.hidden_size, dtype=runner.dtype, device=device)
         greedy, rows = SamplingTensors.greedy(), np.zeros(1, dtype=np.int64)

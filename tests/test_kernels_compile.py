@@ -1,7 +1,7 @@
-"""The attention and sampling kernels compile for Hopper (sm_90) with Triton's own compiler, which needs no GPU, in
-a process without the interpreter: the interpreter runs kernels as Python, so what only the compiler refuses (a
-branch that is not static, mismatched types between branches, a shape it cannot lay out) would first show on the
-device. Each compiled kernel must wait for the kernel before it (programmatic dependent launch)."""
+"""The attention, sampling and decode-input kernels compile for Hopper (sm_90) with Triton's own compiler, which
+needs no GPU, in a process without the interpreter: the interpreter runs kernels as Python, so what only the
+compiler refuses (a branch that is not static, mismatched types between branches, a shape it cannot lay out) would
+first show on the device. Each compiled kernel must wait for the kernel before it (programmatic dependent launch)."""
 
 from __future__ import annotations
 
@@ -55,10 +55,13 @@ CASES = [
      dict(HAS_CUTOFF=True, DEFER_MIN_P=True, ROWS=1, BLOCK=2048, USE_PDL=True), _SAMPLING, 8),
     ("tinyvllm.ops.sampling", "_min_p_race_kernel",
      dict(HAS_CUTOFF=False, ROWS=1, BLOCK=2048, CHUNKS=64, USE_PDL=True), _SAMPLING, 8),
+    ("tinyvllm.ops.decode_inputs", "_unpack_decode_inputs_kernel", dict(BLOCK=256, USE_PDL=True),
+     {"input_ids_ptr": "*i64", "pending_ptr": "*i64", "tokens_ptr": "*i64", "packed_ptr": "*i32",
+      "width_ptr": "*i32", "tables_ptr": "*i32"}, 1),
 ]
 
 
-def test_attention_and_sampling_kernels_compile_for_hopper() -> None:
+def test_attention_sampling_and_input_kernels_compile_for_hopper() -> None:
     if not hasattr(__import__("triton"), "compile"):
         pytest.skip("this Triton has no triton.compile")
     env = {**os.environ, "TRITON_INTERPRET": "0"}

@@ -456,3 +456,31 @@ def test_sample_with_hints_reads_nothing_back(monkeypatch: pytest.MonkeyPatch) -
     assert reads == []
     sample_triton(logits, temperature, top_k, top_p, min_p, seeds, chunk_size=512)
     assert reads == ["tolist"]  # without the hints: the one sync, which the spy does see
+
+
+# ---------------------------------------------------------------------------------------------- decode graph inputs
+
+@pytest.mark.parametrize("width", [0, 3, 7])
+def test_unpack_decode_inputs(width: int) -> None:
+    """The decode graphs' first op: tokens in flight gathered from the step before's, the packed [B, width] block
+    tables spread into the [B, max_blocks] buffer (entries past width kept), width read from device memory."""
+    from tinyvllm.ops.decode_inputs import unpack_decode_inputs_ref, unpack_decode_inputs_triton
+
+    num_rows, max_blocks = 5, 7
+    ids = torch.randint(0, 1000, (num_rows,))
+    pending = torch.tensor([-1, 3, -1, 0, 5])
+    tokens = torch.randint(0, 1000, (8,))
+    packed = torch.randint(0, 100, (num_rows * max_blocks,), dtype=torch.int32)
+    tables = torch.randint(0, 100, (num_rows, max_blocks), dtype=torch.int32)
+    width_t = torch.tensor([width], dtype=torch.int32)
+    results = []
+    for op in (unpack_decode_inputs_ref, unpack_decode_inputs_triton):
+        out_ids, out_tables = ids.clone(), tables.clone()
+        op(out_ids, pending, tokens, packed, width_t, out_tables)
+        results.append((out_ids, out_tables))
+    expected_ids = torch.where(pending >= 0, tokens[pending.clamp(min=0)], ids)
+    expected_tables = tables.clone()
+    expected_tables[:, :width] = packed[: num_rows * width].view(num_rows, width)
+    for out_ids, out_tables in results:
+        assert torch.equal(out_ids, expected_ids)
+        assert torch.equal(out_tables, expected_tables)

@@ -17,6 +17,7 @@ import torch
 from tinyvllm.ops.activation import silu_and_mul_ref
 from tinyvllm.ops.attention import AttentionMetadata, paged_attention_ref
 from tinyvllm.ops.cascade_attention import cascade_attention_ref
+from tinyvllm.ops.decode_inputs import unpack_decode_inputs_ref
 from tinyvllm.ops.embedding import embedding_ref
 from tinyvllm.ops.fused_linear import fused_linear_ref, fused_norm_linear_ref, linear_argmax_ref
 from tinyvllm.ops.layernorm import fused_add_rms_norm_ref, rms_norm_ref
@@ -41,6 +42,7 @@ __all__ = [
     "paged_attention",
     "sample",
     "triton_available",
+    "unpack_decode_inputs",
 ]
 
 _FORCE_REFERENCE = os.environ.get("TINYVLLM_REFERENCE_OPS", "0") == "1"
@@ -132,3 +134,4 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 sample = _dispatch("sample", sample_ref)
+unpack_decode_inputs = _dispatch("unpack_decode_inputs", unpack_decode_inputs_ref)

@@ -11,6 +11,7 @@ import triton  # noqa: F401  (fail here, not at the first call, where Triton is 
 from tinyvllm.ops.activation import silu_and_mul_triton
 from tinyvllm.ops.attention import paged_attention_triton
 from tinyvllm.ops.cascade_attention import cascade_attention_triton
+from tinyvllm.ops.decode_inputs import unpack_decode_inputs_triton
 from tinyvllm.ops.embedding import embedding_triton
 from tinyvllm.ops.layernorm import fused_add_rms_norm_triton, rms_norm_triton
 from tinyvllm.ops.rotary import rotary_embedding_and_store_triton
@@ -25,4 +26,5 @@ KERNELS: dict[str, Callable[..., Any]] = {
     "paged_attention": paged_attention_triton,
     "cascade_attention": cascade_attention_triton,
     "sample": sample_triton,
+    "unpack_decode_inputs": unpack_decode_inputs_triton,
 }

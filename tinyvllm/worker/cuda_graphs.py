@@ -2,9 +2,11 @@
 prompt tokens (PiecewiseCudaGraphs).
 
 A decode step of a small model is tens of kernel launches per layer: on a slow host CPU, launching them
-costs more than running them. Each batch size of a ladder gets a graph captured once, over persistent
-input buffers; a step copies its inputs into the buffers (padding rows write nowhere: slot -1, context 0)
-and replays the graph of the next size up. Sizes where cascade attention may apply get a second graph, captured
+costs more than running them. Each batch size of a ladder gets a graph captured once, over one persistent
+input buffer (DecodeInputs); a step packs its inputs on the host in that buffer's layout, copies them in at
+once (padding rows write nowhere: slot -1, context 0) and replays the graph of the next size up. The graph's
+first op completes the inputs on the device (ops.unpack_decode_inputs: tokens still in flight, block tables),
+so nothing but that one copy runs before it. Sizes where cascade attention may apply get a second graph, captured
 with it: a step whose sequences share a prefix (AttentionMetadata.common_prefix_len) replays that one, its
 prefix length copied into a buffer of its own.
 
@@ -20,16 +22,89 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tinyvllm import ops
 from tinyvllm.ops import AttentionMetadata
 from tinyvllm.ops.cascade_attention import CASCADE_MIN_SEQS
 from tinyvllm.worker.sampler import SamplingTensors
+from tinyvllm.worker.staging import DTYPE_CODES, TORCH_DTYPES, Staging
 
 # What a graph ends in: hidden states (None), or tokens of an all-greedy step, or of one that samples
 TAIL_MODES = (None, "greedy", "sample")
 Tail = Callable[[torch.Tensor, SamplingTensors], torch.Tensor]
+
+
+class DecodeInputs:
+    """The decode graphs' inputs, in one device buffer of fixed layout: a field per input, each sized for the
+    largest batch, and last the block tables packed as [B, width] (so a step copies only the part it uses of
+    them). A step packs its arrays into a pinned host buffer in this layout (pack) and copies them in at once
+    (upload); the graph's first op (unpack) takes its tokens in flight from the step before and the block tables
+    into their [B, max_blocks] buffer. The rows of a batch past its sequences, up to the graph's size, get
+    values that read and write nothing (ROW_FIELDS' padding)."""
+
+    # (name, dtype, padding value) of each per-row field; then common_prefix_len and width, [1] int32 each.
+    ROW_FIELDS = (("input_ids", np.int64, 0), ("positions", np.int64, 0), ("slot_mapping", np.int64, -1),
+                  ("pending", np.int64, -1), ("logits_indices", np.int64, 0), ("seeds", np.int64, 0),
+                  ("top_k", np.int64, 0), ("context_lens", np.int32, 0), ("temperature", np.float32, 0.0),
+                  ("top_p", np.float32, 1.0), ("min_p", np.float32, 0.0))
+    ALIGN = 16
+
+    def __init__(self, max_bs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        self.max_bs = max_bs
+        fields = [(name, dtype, max_bs) for name, dtype, _ in self.ROW_FIELDS]
+        fields += [("common_prefix_len", np.int32, 1), ("width", np.int32, 1),
+                   ("block_tables", np.int32, max_bs * max_blocks_per_seq)]
+        self.offsets: dict[str, int] = {}
+        offset = 0
+        for name, dtype, count in fields:
+            self.offsets[name] = offset
+            offset += -(-count * np.dtype(dtype).itemsize // self.ALIGN) * self.ALIGN
+        self.nbytes = offset
+        self.buffer = torch.zeros(offset, dtype=torch.uint8, device=device)
+        self.fields = {name: self.buffer[self.offsets[name]:self.offsets[name] + count * np.dtype(dtype).itemsize]
+                       .view(TORCH_DTYPES[DTYPE_CODES[np.dtype(dtype)]]) for name, dtype, count in fields}
+        for name, _, pad in self.ROW_FIELDS:
+            self.fields[name].fill_(pad)
+        self.block_tables = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.cu_query_lens = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+
+    def pack(self, host: np.ndarray, arrays: dict[str, np.ndarray], bs: int) -> int:
+        """Write a decode step's arrays (a row each per sequence, or per sampled row; block_tables [n, width]) into
+        `host` (bytes, at least self.nbytes long) for a graph of size bs; the bytes to copy. Each per-row field is
+        written whole up to bs, padded (a field the step lacks, all padding: the host buffer holds whatever was
+        packed in it before); common_prefix_len only where the step has one (only its graph reads it)."""
+        for name, dtype, pad in self.ROW_FIELDS:
+            field = host[self.offsets[name]:self.offsets[name] + bs * np.dtype(dtype).itemsize].view(dtype)
+            a = arrays.get(name)
+            filled = 0 if a is None else len(a)
+            if filled:
+                field[:filled] = a
+            field[filled:] = pad
+        if "common_prefix_len" in arrays:
+            host[self.offsets["common_prefix_len"]:][:4].view(np.int32)[0] = arrays["common_prefix_len"][0]
+        tables = np.ascontiguousarray(arrays["block_tables"], dtype=np.int32)
+        host[self.offsets["width"]:][:4].view(np.int32)[0] = tables.shape[1]
+        start = self.offsets["block_tables"]
+        host[start:start + tables.nbytes] = tables.view(np.uint8).reshape(-1)
+        return start + tables.nbytes
+
+    def upload(self, staging: Staging, arrays: dict[str, np.ndarray], bs: int) -> None:
+        """Pack a step's arrays (pack) in the staging's next pinned buffer and copy them into the device buffer."""
+        staging.send(self.pack(staging.host_buffer(self.nbytes), arrays, bs), out=self.buffer)
+
+    def unpack(self, bs: int, tokens: torch.Tensor) -> None:
+        """The graph's first op: inputs in flight from `tokens` (the step before's), block tables unpacked."""
+        f = self.fields
+        ops.unpack_decode_inputs(f["input_ids"][:bs], f["pending"][:bs], tokens, f["block_tables"], f["width"],
+                                 self.block_tables[:bs])
+
+    def metadata(self, bs: int, shared: bool, max_context_len: int) -> AttentionMetadata:
+        f = self.fields
+        return AttentionMetadata(self.cu_query_lens[: bs + 1], f["context_lens"][:bs], self.block_tables[:bs],
+                                 f["slot_mapping"][:bs], max_query_len=1, max_context_len=max_context_len,
+                                 common_prefix_len=f["common_prefix_len"] if shared else None)
 
 
 def size_ladder(max_size: int) -> list[int]:
@@ -44,63 +119,57 @@ class CudaGraphs:
                  tail: Tail | None = None) -> None:
         max_bs = min(max_num_seqs, 512)
         self.batch_sizes = size_ladder(max_bs)
-        self.buffers = dict(
-            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=device),
-            positions=torch.zeros(max_bs, dtype=torch.int64, device=device),
-            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int64, device=device),
-            context_lens=torch.zeros(max_bs, dtype=torch.int32, device=device),
-            block_tables=torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int32, device=device),
-            cu_query_lens=torch.arange(max_bs + 1, dtype=torch.int32, device=device),
-            common_prefix_len=torch.zeros(1, dtype=torch.int32, device=device),
-            temperature=torch.zeros(max_bs, dtype=torch.float32, device=device),
-            min_p=torch.zeros(max_bs, dtype=torch.float32, device=device),
-            seeds=torch.zeros(max_bs, dtype=torch.int64, device=device),
-            top_k=torch.zeros(max_bs, dtype=torch.int64, device=device),  # (off, for every row)
-            top_p=torch.ones(max_bs, dtype=torch.float32, device=device),
-        )
-        b = self.buffers
+        self.inputs = DecodeInputs(max_bs, max_blocks_per_seq, device)
         self.outputs = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
-        self.tokens = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        # Every step's sampled tokens, in the order of its sampled sequences: the graphs' tails write them here,
+        # and the model runner copies those of other steps here (keep_tokens), for the next graph's inputs in flight.
+        # (Sized for the most tokens a step samples, one per sequence: a step too big for a graph may come before.)
+        self.tokens = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        self.max_context_len = max_blocks_per_seq * block_size
         # (batch size, captured with a common prefix, tail mode) -> graph
         self.graphs: dict[tuple[int, bool, str | None], torch.cuda.CUDAGraph] = {}
-        pool = None
+        self.has_tails = tail is not None
+        self.pool: tuple[int, int] | None = None  # (the piecewise graphs share it: no two graphs ever run at once)
         for bs in reversed(self.batch_sizes):
             for shared in (False, True) if cascade and bs >= CASCADE_MIN_SEQS else (False,):
-                meta = AttentionMetadata(b["cu_query_lens"][: bs + 1], b["context_lens"][:bs],
-                                         b["block_tables"][:bs], b["slot_mapping"][:bs], max_query_len=1,
-                                         max_context_len=max_blocks_per_seq * block_size,
-                                         common_prefix_len=b["common_prefix_len"] if shared else None)
-                args = (b["input_ids"][:bs], b["positions"][:bs], meta)
                 for mode in TAIL_MODES if tail is not None else (None,):
-                    sampling = self._sampling(mode, bs)
-                    self._step(model, args, bs, tail if mode else None, sampling)  # warm-up: compiles outside
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        self._step(model, args, bs, tail if mode else None, sampling)
-                    pool = graph.pool()
-                    self.graphs[bs, shared, mode] = graph
-        self.has_tails = tail is not None
-        self.pool = pool  # (the piecewise graphs share it: no two graphs ever run at once)
+                    args = (model, bs, shared, tail if mode else None, self._sampling(mode, bs))
+                    self.graphs[bs, shared, mode] = self._capture(lambda args=args: self._step(*args))
+        self._upload()
+
+    def _capture(self, step: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        """A graph of `step`, run once before (so that it compiles outside the capture)."""
+        step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            step()
+        self.pool = graph.pool()
+        return graph
+
+    def _upload(self) -> None:
         for graph in self.graphs.values():
             graph.replay()  # the first replay uploads the graph to the device: pay for it now, not mid-run
         torch.cuda.synchronize()
 
-    def _step(self, model: torch.nn.Module, args: tuple, bs: int, tail: Tail | None, sampling: SamplingTensors) -> None:
-        """What a graph of batch size bs runs: the layers into the hidden-states buffer, or with a tail on to the
-        tokens buffer."""
-        hidden = model(*args)
+    def _step(self, model: torch.nn.Module, bs: int, shared: bool, tail: Tail | None,
+              sampling: SamplingTensors) -> None:
+        """What a graph of batch size bs runs: its inputs completed, the layers into the hidden-states buffer, or
+        with a tail on to the tokens buffer."""
+        self.inputs.unpack(bs, self.tokens)
+        f = self.inputs.fields
+        hidden = model(f["input_ids"][:bs], f["positions"][:bs], self.inputs.metadata(bs, shared, self.max_context_len))
         if tail is None:
             self.outputs[:bs] = hidden
         else:
             self.tokens[:bs] = tail(hidden, sampling)
 
     def _sampling(self, mode: str | None, bs: int) -> SamplingTensors:
-        """The sampling tensors a tail of this mode is captured with: the buffers, and fixed hints."""
+        """The sampling tensors a tail of this mode is captured with: the input fields, and fixed hints."""
         if mode != "sample":
             return SamplingTensors.greedy()
-        b = self.buffers
-        return SamplingTensors(b["temperature"][:bs], b["top_k"][:bs], b["top_p"][:bs], b["min_p"][:bs],
-                               b["seeds"][:bs], all_greedy=False, use_top_p=False, max_top_k=0, use_min_p=True)
+        f = self.inputs.fields
+        return SamplingTensors(f["temperature"][:bs], f["top_k"][:bs], f["top_p"][:bs], f["min_p"][:bs],
+                               f["seeds"][:bs], all_greedy=False, use_top_p=False, max_top_k=0, use_min_p=True)
 
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.batch_sizes[-1]
@@ -114,31 +183,31 @@ class CudaGraphs:
             return "greedy"
         return "sample" if not sampling.use_top_p and sampling.max_top_k == 0 else None
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-               mode: str | None = None, sampling: SamplingTensors | None = None) -> torch.Tensor:
-        """A decode step (one token per sequence) through the graph of its size: its hidden states, or with a
-        tail `mode` (tail_mode(sampling)) its tokens. Both are buffers that the next replay overwrites, in stream
-        order: after what the caller queued to read them."""
-        num_seqs = input_ids.shape[0]
-        bs = next(b for b in self.batch_sizes if b >= num_seqs)
-        b = self.buffers
-        b["input_ids"][:num_seqs] = input_ids
-        b["positions"][:num_seqs] = positions
-        b["slot_mapping"][:num_seqs] = meta.slot_mapping
-        b["slot_mapping"][num_seqs:bs] = -1
-        b["context_lens"][:num_seqs] = meta.context_lens
-        b["context_lens"][num_seqs:bs] = 0
-        b["block_tables"][:num_seqs, : meta.block_tables.shape[1]] = meta.block_tables
-        shared = meta.common_prefix_len is not None and (bs, True, None) in self.graphs
-        if shared:
-            b["common_prefix_len"].copy_(meta.common_prefix_len)
-        if mode == "sample":
-            assert sampling is not None
-            b["temperature"][:num_seqs] = sampling.temperature
-            b["min_p"][:num_seqs] = sampling.min_p
-            b["seeds"][:num_seqs] = sampling.seeds
+    def batch_size(self, num_seqs: int) -> int:
+        """The graph size a decode step of num_seqs sequences runs at (fits(num_seqs) first)."""
+        return next(b for b in self.batch_sizes if b >= num_seqs)
+
+    def sampling(self, num_rows: int, hints: SamplingTensors) -> SamplingTensors:
+        """The sampling tensors of a step whose inputs were uploaded (DecodeInputs.upload), for sampling after a
+        graph that ends in hidden states: `hints` with the first num_rows rows of the parameter fields."""
+        if hints.all_greedy:
+            return hints
+        f = self.inputs.fields
+        return hints.with_tensors(f["temperature"][:num_rows], f["top_k"][:num_rows], f["top_p"][:num_rows],
+                                  f["min_p"][:num_rows], f["seeds"][:num_rows])
+
+    def replay(self, bs: int, shared: bool, mode: str | None = None) -> torch.Tensor:
+        """A decode step through the graph of size bs, its inputs uploaded (DecodeInputs.upload; shared: they hold
+        a common prefix length, and a graph captured with one exists). Returns the hidden states of the bs rows,
+        or with a tail `mode` (tail_mode) their tokens: buffers that the next replay overwrites, in stream order
+        (after what the caller queued to read them)."""
+        shared = shared and (bs, True, None) in self.graphs
         self.graphs[bs, shared, mode].replay()
-        return self.outputs[:num_seqs] if mode is None else self.tokens[:num_seqs]
+        return self.outputs[:bs] if mode is None else self.tokens[:bs]
+
+    def keep_tokens(self, token_ids: torch.Tensor) -> None:
+        """A step's tokens sampled outside a graph's tail: where the next graph looks for its inputs in flight."""
+        self.tokens[: token_ids.shape[0]].copy_(token_ids)
 
 
 @dataclass

@@ -6,6 +6,7 @@ sequence whose last known token was in the step. It imports nothing from the eng
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -52,15 +53,20 @@ def padded_num_tokens(num_tokens: int, max_num_batched_tokens: int) -> int:
 
 @dataclass
 class ModelInput:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
+    """A step's tensors on the device. A decode step that replays a CUDA graph has its inputs in the graph's own
+    buffer (DecodeInputs), so only what comes after the graph is here."""
+
+    input_ids: torch.Tensor | None  # (None: a graph step)
+    positions: torch.Tensor | None
+    meta: AttentionMetadata | None
     logits_indices: torch.Tensor  # rows of the hidden states whose next token is sampled
     # The input batch's rows of the sequences that sample, in that order; logits_indices may hold more (padding
     # rows, on CUDA, whose results are dropped).
     sampled_rows: np.ndarray
     sampled_seq_ids: list[int]
     sampling: SamplingTensors
+    graph_size: int | None = None  # the decode graph's batch size, for a step that replays one
+    shared_prefix: bool = False  # (a graph step) its inputs hold a common prefix length: cascade attention
 
 
 class ModelRunner:
@@ -181,9 +187,8 @@ class ModelRunner:
                 padded = padded_num_tokens(total, self.config.max_num_batched_tokens)
         sample_rows = rows[sampled]
         sampled_seq_ids = step.seq_ids if len(sampled) == n else [step.seq_ids[i] for i in sampled.tolist()]
-        temperature = batch.temperature[sample_rows]
-        greedy = temperature == 0
-        all_greedy = bool(greedy.all())
+        graphs = self.cuda_graphs
+        graph_size = graphs.batch_size(n) if graphs is not None and total == n and graphs.fits(n) else None
         # The model's fields, then only when the step needs them (each costs host time on a slow CPU) the places
         # of the inputs in flight and the sampling parameters.
         if padded > total:
@@ -191,21 +196,32 @@ class ModelRunner:
             ids, positions = np.pad(ids, (0, extra)), np.pad(positions, (0, extra))
             slots = np.pad(slots, (0, extra), constant_values=-1)
         arrays = dict(input_ids=ids, positions=positions, slot_mapping=slots, logits_indices=logits_indices,
-                      cu_query_lens=cu.astype(np.int32), context_lens=ends.astype(np.int32), block_tables=tables)
+                      context_lens=ends.astype(np.int32), block_tables=tables)
+        if graph_size is None:
+            arrays.update(cu_query_lens=cu.astype(np.int32))
         # A decode step whose sequences share a long enough prefix of blocks reads it once (cascade attention).
         if self.config.cascade_attention and total == n and use_cascade_attention(self.max_blocks_per_seq * bs, n):
             prefix_len = common_prefix_len(tables, ends, bs)
             if use_cascade_attention(prefix_len, n):
                 arrays.update(common_prefix_len=np.array([prefix_len], dtype=np.int32))
-        pending = in_flight.any()
-        if pending:
+        pending = bool(in_flight.any())
+        if pending and graph_size is not None:  # (a graph takes them from CudaGraphs.tokens, where prev left them)
+            sources = np.full(n, -1, dtype=np.int64)
+            sources[in_flight] = prev.places(rows[in_flight])
+            arrays.update(pending=sources)
+        elif pending:
             arrays.update(pending_dst=last[in_flight], pending_src=prev.places(rows[in_flight]))
-        if not all_greedy:
+        hints = self._sampling_hints(sample_rows)
+        if not hints.all_greedy:
             num_outputs = batch.num_tokens[sample_rows] - batch.num_prompt[sample_rows]
-            top_k = batch.top_k[sample_rows]
-            top_p, min_p = batch.top_p[sample_rows], batch.min_p[sample_rows]
-            arrays.update(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            arrays.update(temperature=batch.temperature[sample_rows], top_k=batch.top_k[sample_rows],
+                          top_p=batch.top_p[sample_rows], min_p=batch.min_p[sample_rows],
                           seeds=step_seeds(batch.seeds[sample_rows], num_outputs))
+        if graph_size is not None:
+            graphs.inputs.upload(self._staging, arrays, graph_size)
+            return ModelInput(None, None, None, graphs.inputs.fields["logits_indices"][:len(logits_indices)],
+                              sample_rows, sampled_seq_ids, graphs.sampling(len(sampled), hints), graph_size,
+                              "common_prefix_len" in arrays)
         buffer, layout = self._staging.upload(arrays)
         t = views(buffer, layout)
         if pending:
@@ -217,19 +233,26 @@ class ModelRunner:
                                  block_tables=t["block_tables"], slot_mapping=t["slot_mapping"],
                                  max_query_len=max_query_len, max_context_len=max_context_len,
                                  common_prefix_len=t.get("common_prefix_len"))
-        needs = int(np.bitwise_or.reduce(batch.needs[sample_rows])) if len(sampled) else 0
-        flags = dict(any_penalties=bool(needs & PENALTIES), any_logprobs=bool(needs & LOGPROBS),
-                     any_min_tokens=bool(needs & MIN_TOKENS))
-        if all_greedy:
-            sampling = SamplingTensors.greedy(**flags)
-        else:
-            active_k = ~greedy & (top_k > 0) & (top_k < self.model_config.vocab_size)
-            sampling = SamplingTensors(t["temperature"], t["top_k"], t["top_p"], t["min_p"], t["seeds"],
-                                       all_greedy=False, use_top_p=bool(((top_p < 1) & ~greedy).any()),
-                                       max_top_k=int(top_k[active_k].max()) if active_k.any() else 0,
-                                       use_min_p=bool(((min_p > 0) & ~greedy).any()), **flags)
+        sampling = hints if hints.all_greedy else hints.with_tensors(t["temperature"], t["top_k"], t["top_p"],
+                                                                      t["min_p"], t["seeds"])
         return ModelInput(t["input_ids"], t["positions"], meta, t["logits_indices"], sample_rows, sampled_seq_ids,
                           sampling)
+
+    def _sampling_hints(self, rows: np.ndarray) -> SamplingTensors:
+        """What the sampler must know of these rows' parameters to pick its path without reading anything back:
+        SamplingTensors without the tensors (with_tensors adds them; an all-greedy step needs none)."""
+        batch = self.input_batch
+        needs = int(np.bitwise_or.reduce(batch.needs[rows])) if len(rows) else 0
+        hints = SamplingTensors.greedy(any_penalties=bool(needs & PENALTIES), any_logprobs=bool(needs & LOGPROBS),
+                                       any_min_tokens=bool(needs & MIN_TOKENS))
+        sampling = batch.temperature[rows] != 0
+        if sampling.any():
+            top_k, top_p, min_p = batch.top_k[rows], batch.top_p[rows], batch.min_p[rows]
+            active_k = sampling & (top_k > 0) & (top_k < self.model_config.vocab_size)
+            hints = dataclasses.replace(hints, all_greedy=False, use_top_p=bool((sampling & (top_p < 1)).any()),
+                                        max_top_k=int(top_k[active_k].max()) if active_k.any() else 0,
+                                        use_min_p=bool((sampling & (min_p > 0)).any()))
+        return hints
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput, record_gpu_time: bool = False) -> AsyncModelRunnerOutput:
@@ -243,12 +266,12 @@ class ModelRunner:
         inputs = self.prepare(step)
         graphs, pieces = self.cuda_graphs, self.piecewise_graphs
         batch, num_seqs, tokens = self.input_batch, len(step.seq_ids), None
-        if inputs.meta.is_decode and graphs is not None and graphs.fits(num_seqs):
+        if inputs.graph_size is not None:
             # (a decode step samples every sequence, so the graph's rows are the sampled ones, in order)
             mode = graphs.tail_mode(inputs.sampling) if len(inputs.sampled_seq_ids) == num_seqs else None
-            hidden = graphs.replay(inputs.input_ids, inputs.positions, inputs.meta, mode, inputs.sampling)
+            hidden = graphs.replay(inputs.graph_size, inputs.shared_prefix, mode)
             if mode is not None:
-                hidden, tokens = None, hidden
+                hidden, tokens = None, hidden[:num_seqs]
         elif self._runs_in_graphs(inputs.input_ids.shape[0]):
             hidden = pieces.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
@@ -261,6 +284,8 @@ class ModelRunner:
             output = self.sample(hidden[inputs.logits_indices], inputs.sampling, inputs.sampled_rows,
                                  inputs.sampled_seq_ids, timer)
             batch.num_tokens[inputs.sampled_rows] += 1  # the tokens in flight count from now on
+            if graphs is not None:
+                graphs.keep_tokens(output.token_ids)
         else:
             if timer is not None:
                 timer[1].record()

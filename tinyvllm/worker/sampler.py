@@ -6,6 +6,7 @@ async scheduling) and are copied to pinned host memory behind an event; AsyncMod
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -74,6 +75,11 @@ class SamplingTensors:
         """Whether a row samples, or asks for logprobs, penalties or min_tokens: else the greedy tokens alone
         will do, and the model may take them without writing logits (LlamaForCausalLM.greedy_tokens)."""
         return not self.all_greedy or self.needs_host_pass
+
+    def with_tensors(self, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                     seeds: torch.Tensor) -> SamplingTensors:
+        """These hints with the rows' parameters on the device."""
+        return dataclasses.replace(self, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds)
 
     @classmethod
     def greedy(cls, **flags: bool) -> SamplingTensors:

@@ -9,7 +9,9 @@ On CUDA the buffer is pinned (allocating pinned memory per step costs more than 
 used in turn, so that step N+1 is packed while step N's copy may still wait in the stream (async
 scheduling). Each copy records an event, and a buffer is written again only once its last copy is done:
 reading a step's tokens back does not prove it (a step that samples nothing, a prompt chunk, has none to
-read), and several such steps in a row would otherwise overwrite a buffer that a queued copy still reads."""
+read), and several such steps in a row would otherwise overwrite a buffer that a queued copy still reads.
+A decode step that replays a CUDA graph packs its arrays in the graph's own fixed layout instead, and the copy
+goes into the graph's input buffer (worker/cuda_graphs.py, DecodeInputs)."""
 
 from __future__ import annotations
 
@@ -59,25 +61,41 @@ class Staging:
         layout = self.layout(arrays)
         last = layout[-1] if layout else None
         total = last[1] + math.prod(last[3]) * TORCH_DTYPES[last[2]].itemsize if last else 0
+        host = self.host_buffer(total)
+        for a, (_, offset, _, _) in zip(arrays.values(), layout):
+            host[offset:offset + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        return self.send(total), layout
+
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        """The next pinned buffer (once its last copy is done), at least nbytes long, as bytes to pack into."""
         turn = self._turn
-        self._turn ^= 1
         copied = self._copied[turn]
         if copied is not None:
             copied.synchronize()  # (normally long done: two steps ago)
         buffer = self._buffers[turn]
-        if buffer.numel() < total:
-            size = max(total, 2 * buffer.numel())
+        if buffer.numel() < nbytes:
+            size = max(nbytes, 2 * buffer.numel())
             buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
             self._buffers[turn] = buffer
-        host = buffer.numpy()
-        for a, (_, offset, _, _) in zip(arrays.values(), layout):
-            host[offset:offset + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
-        if self.device.type != "cuda":  # the CPU runs the step from the buffer itself
-            return buffer[:total], layout
-        on_device = buffer[:total].to(self.device, non_blocking=True)
-        self._copied[turn] = torch.cuda.Event()
-        self._copied[turn].record()
-        return on_device, layout
+        return buffer.numpy()
+
+    def send(self, nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy the first nbytes of the buffer host_buffer() gave to the device: into `out` (a uint8 device
+        buffer), or a new tensor. Returns the device bytes (on the CPU, without `out`, the host buffer itself)."""
+        turn = self._turn
+        self._turn ^= 1
+        buffer = self._buffers[turn][:nbytes]
+        if out is not None:
+            out = out[:nbytes]
+            out.copy_(buffer, non_blocking=True)
+        elif self.device.type != "cuda":  # the CPU runs the step from the buffer itself
+            return buffer
+        else:
+            out = buffer.to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied[turn] = torch.cuda.Event()
+            self._copied[turn].record()
+        return out
 
 
 def views(buffer: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
