@@ -26,6 +26,7 @@ from tests.utils import CUDA_ONLY, attention_metadata  # noqa: E402
 from tinyvllm.ops.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from tinyvllm.ops.attention import AttentionMetadata, paged_attention_ref, paged_attention_triton  # noqa: E402
 from tinyvllm.ops.cascade_attention import cascade_attention_triton  # noqa: E402
+from tinyvllm.ops.decode_inputs import unpack_decode_inputs_ref, unpack_decode_inputs_triton  # noqa: E402
 from tinyvllm.ops.embedding import embedding_ref, embedding_triton  # noqa: E402
 from tinyvllm.ops.fused_linear import (  # noqa: E402
     fused_linear_ref,
@@ -345,6 +346,33 @@ def test_decode_attention_in_cuda_graph() -> None:
     torch.cuda.synchronize()
     ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, scale)
     assert_close("attention decode in a CUDA graph, replayed on new contexts bf16", out, ref, dtype)
+
+
+def test_unpack_decode_inputs_in_cuda_graph() -> None:
+    """The decode graphs' first op at the engine's sizes (256 sequences, 4,096-token contexts), captured once and
+    replayed on a new width and new tokens in flight (both read from device memory), equal to its reference."""
+    rows, max_blocks = 256, 4096 // BLOCK_SIZE
+
+    def inputs(width: int) -> tuple[torch.Tensor, ...]:
+        pending = torch.where(torch.rand(rows, device=DEVICE) < 0.7,
+                              torch.randint(0, 512, (rows,), device=DEVICE), -1)
+        return (torch.randint(0, VOCAB, (rows,), device=DEVICE), pending,
+                torch.randint(0, VOCAB, (512,), device=DEVICE),
+                torch.randint(0, 10**6, (rows * max_blocks,), dtype=torch.int32, device=DEVICE),
+                torch.tensor([width], dtype=torch.int32, device=DEVICE))
+
+    ids, pending, tokens, packed, width = inputs(max_blocks)
+    tables = torch.zeros(rows, max_blocks, dtype=torch.int32, device=DEVICE)
+    graph, _ = captured(lambda: unpack_decode_inputs_triton(ids, pending, tokens, packed, width, tables))
+    for new_width in (max_blocks, 37, 1):
+        new = inputs(new_width)
+        start_ids, start_tables = new[0].clone(), torch.randint_like(tables, 0, 10**6)
+        for buffer, value in zip((ids, pending, tokens, packed, width, tables), (*new, start_tables)):
+            buffer.copy_(value)
+        graph.replay()
+        ref_ids, ref_tables = start_ids.clone(), start_tables.clone()
+        unpack_decode_inputs_ref(ref_ids, pending, tokens, packed, width, ref_tables)
+        assert torch.equal(ids, ref_ids) and torch.equal(tables, ref_tables), f"width {new_width}"
 
 
 def shared_prefix_batch(
