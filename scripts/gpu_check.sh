@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# On a machine with an NVIDIA GPU and its own CUDA torch (no setup here: run it with the python that has them):
+# the GPU tests, then the benchmarks, each part under a time limit so that one that hangs cannot take the rest.
+# Parts: tests, latency, throughput, shared-prefix, serve (default: all, in that order), e.g.
+#     bash scripts/gpu_check.sh tests latency
+# PYTHON picks the interpreter (default python3); LIMIT_S the seconds per part (default 300).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+limit=${LIMIT_S:-300}
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(tests latency throughput shared-prefix serve)
+status=0
+for part in "${parts[@]}"; do
+    case $part in
+        tests) command=("$python" -m pytest -q -m cuda -p no:cacheprovider tests/gpu) ;;
+        latency) command=("$python" benchmarks/latency.py) ;;
+        throughput) command=("$python" benchmarks/throughput.py --trace --no-peer) ;;
+        shared-prefix) command=("$python" benchmarks/shared_prefix.py --trace) ;;
+        serve) command=("$python" benchmarks/serve.py --concurrency 1,64,256 --num-clients 4 --api-server-count 4) ;;
+        *) echo "unknown part: $part (tests, latency, throughput, shared-prefix, serve)" >&2; exit 2 ;;
+    esac
+    echo "=== $part: ${command[*]} (limit ${limit} s)"
+    start=$(date +%s)
+    timeout "$limit" "${command[@]}"
+    code=$?
+    echo "=== $part: exit $code after $(( $(date +%s) - start )) s"
+    [ $code -eq 0 ] || status=1
+done
+exit $status
