@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from utils import save_tiny_llama, tiny_llm
 
+from tests.utils import save_tiny_llama, tiny_llm
 from tinyvllm import SamplingParams
 from tinyvllm.ops.cascade_attention import CASCADE_MIN_PREFIX_TOKENS, CASCADE_MIN_SEQS
 from tinyvllm.worker.cuda_graphs import CudaGraphs, DecodeInputs
@@ -42,7 +42,7 @@ def test_decode_inputs_are_the_steps_arrays_padded_to_the_graph() -> None:
     # A bigger step first, so that the buffers hold other values where the next step writes nothing.
     for n, width, sampling, prefix in ((8, 6, True, True), (5, 3, False, False), (3, 2, True, False)):
         arrays = _step(n, width, sampling, prefix)
-        inputs.upload(staging, arrays, bs)
+        inputs.upload(staging, arrays)
         inputs.unpack(bs, tokens)
         f = inputs.fields
         pending = arrays["pending"]
@@ -51,11 +51,11 @@ def test_decode_inputs_are_the_steps_arrays_padded_to_the_graph() -> None:
         assert f["positions"][:n].tolist() == arrays["positions"].tolist()
         # padding rows: no K/V stored, no context, no token in flight; tokens and positions in range
         assert f["slot_mapping"][:n].tolist() == arrays["slot_mapping"].tolist()
-        assert f["slot_mapping"][n:bs].tolist() == [-1] * (bs - n)
+        assert f["slot_mapping"][n:].tolist() == [-1] * (max_bs - n)  # (every row past the step's: any graph)
         assert f["context_lens"][:n].tolist() == arrays["context_lens"].tolist()
-        assert f["context_lens"][n:bs].tolist() == [0] * (bs - n)
-        assert f["pending"][n:bs].tolist() == [-1] * (bs - n)
-        assert f["input_ids"][n:bs].tolist() == [0] * (bs - n) and f["positions"][n:bs].tolist() == [0] * (bs - n)
+        assert f["context_lens"][n:].tolist() == [0] * (max_bs - n)
+        assert f["pending"][n:].tolist() == [-1] * (max_bs - n)
+        assert f["input_ids"][n:].tolist() == [0] * (max_bs - n) and f["positions"][n:].tolist() == [0] * (max_bs - n)
         assert inputs.block_tables[:n, :width].tolist() == arrays["block_tables"].tolist()
         if sampling:
             assert torch.equal(f["temperature"][:n], torch.from_numpy(arrays["temperature"]))
@@ -74,7 +74,7 @@ def test_decode_inputs_are_the_steps_arrays_padded_to_the_graph() -> None:
 def test_decode_inputs_copy_only_the_block_table_rows_in_use() -> None:
     inputs = DecodeInputs(16, 64, torch.device("cpu"))
     host = np.zeros(inputs.nbytes, dtype=np.uint8)
-    nbytes = inputs.pack(host, _step(4, 3, False, False), 4)
+    nbytes = inputs.pack(host, _step(4, 3, False, False))
     assert nbytes == inputs.offsets["block_tables"] + 4 * 3 * 4 < inputs.nbytes
 
 

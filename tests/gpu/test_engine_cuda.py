@@ -265,7 +265,7 @@ def test_decode_graphs_end_in_the_same_tokens(llama_1b: str) -> None:
         replay = graphs.replay
 
         def recording_replay(*args, **kwargs):
-            modes.append(args[3] if len(args) > 3 else kwargs.get("mode"))
+            modes.append(args[2] if len(args) > 2 else kwargs.get("mode"))  # replay(bs, shared, mode)
             return replay(*args, **kwargs)
 
         graphs.replay = recording_replay
@@ -305,9 +305,13 @@ cascade_steps, replayed = [], []
 prepare = runner.prepare
 def recording_prepare(step):
     inputs = prepare(step)
-    if inputs.meta.common_prefix_len is not None:
+    if inputs.graph_size is not None:  # (a graph step: its inputs are in the graphs' buffer)
+        if inputs.shared_prefix:
+            cascade_steps.append(len(step.seq_ids))
+            replayed.append(True)
+    elif inputs.meta.common_prefix_len is not None:
         cascade_steps.append(inputs.meta.num_seqs)
-        replayed.append(graphs is not None and graphs.fits(inputs.meta.num_seqs))
+        replayed.append(False)
     return inputs
 runner.prepare = recording_prepare
 params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)

@@ -41,8 +41,8 @@ class DecodeInputs:
     largest batch, and last the block tables packed as [B, width] (so a step copies only the part it uses of
     them). A step packs its arrays into a pinned host buffer in this layout (pack) and copies them in at once
     (upload); the graph's first op (unpack) takes its tokens in flight from the step before and the block tables
-    into their [B, max_blocks] buffer. The rows of a batch past its sequences, up to the graph's size, get
-    values that read and write nothing (ROW_FIELDS' padding)."""
+    into their [B, max_blocks] buffer. The rows past a step's sequences get values that read and write nothing
+    (ROW_FIELDS' padding), so any graph may replay over the last upload."""
 
     # (name, dtype, padding value) of each per-row field; then common_prefix_len and width, [1] int32 each.
     ROW_FIELDS = (("input_ids", np.int64, 0), ("positions", np.int64, 0), ("slot_mapping", np.int64, -1),
@@ -70,13 +70,15 @@ class DecodeInputs:
         self.block_tables = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.cu_query_lens = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
 
-    def pack(self, host: np.ndarray, arrays: dict[str, np.ndarray], bs: int) -> int:
+    def pack(self, host: np.ndarray, arrays: dict[str, np.ndarray]) -> int:
         """Write a decode step's arrays (a row each per sequence, or per sampled row; block_tables [n, width]) into
-        `host` (bytes, at least self.nbytes long) for a graph of size bs; the bytes to copy. Each per-row field is
-        written whole up to bs, padded (a field the step lacks, all padding: the host buffer holds whatever was
-        packed in it before); common_prefix_len only where the step has one (only its graph reads it)."""
+        `host` (bytes, at least self.nbytes long) for a graph of size bs; the bytes to copy (every per-row field
+        whole, then the tables' n rows). Each per-row field is written for all max_bs rows, past the step's own
+        with padding (a field the step lacks, all padding: the host buffer holds whatever was packed in it before),
+        so that a graph of any size reads only valid rows; common_prefix_len only where the step has one (only its
+        graph reads it)."""
         for name, dtype, pad in self.ROW_FIELDS:
-            field = host[self.offsets[name]:self.offsets[name] + bs * np.dtype(dtype).itemsize].view(dtype)
+            field = host[self.offsets[name]:self.offsets[name] + self.max_bs * np.dtype(dtype).itemsize].view(dtype)
             a = arrays.get(name)
             filled = 0 if a is None else len(a)
             if filled:
@@ -90,9 +92,9 @@ class DecodeInputs:
         host[start:start + tables.nbytes] = tables.view(np.uint8).reshape(-1)
         return start + tables.nbytes
 
-    def upload(self, staging: Staging, arrays: dict[str, np.ndarray], bs: int) -> None:
+    def upload(self, staging: Staging, arrays: dict[str, np.ndarray]) -> None:
         """Pack a step's arrays (pack) in the staging's next pinned buffer and copy them into the device buffer."""
-        staging.send(self.pack(staging.host_buffer(self.nbytes), arrays, bs), out=self.buffer)
+        staging.send(self.pack(staging.host_buffer(self.nbytes), arrays), out=self.buffer)
 
     def unpack(self, bs: int, tokens: torch.Tensor) -> None:
         """The graph's first op: inputs in flight from `tokens` (the step before's), block tables unpacked."""

@@ -218,7 +218,7 @@ class ModelRunner:
                           top_p=batch.top_p[sample_rows], min_p=batch.min_p[sample_rows],
                           seeds=step_seeds(batch.seeds[sample_rows], num_outputs))
         if graph_size is not None:
-            graphs.inputs.upload(self._staging, arrays, graph_size)
+            graphs.inputs.upload(self._staging, arrays)
             return ModelInput(None, None, None, graphs.inputs.fields["logits_indices"][:len(logits_indices)],
                               sample_rows, sampled_seq_ids, graphs.sampling(len(sampled), hints), graph_size,
                               "common_prefix_len" in arrays)

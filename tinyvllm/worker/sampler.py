@@ -112,9 +112,11 @@ class AsyncModelRunnerOutput:
     def places(self, rows: np.ndarray) -> np.ndarray:
         """Where in token_ids the tokens of these input batch rows are (rows whose token this step sampled and
         that their sequences still hold: the next step's inputs in flight)."""
-        place = np.zeros(int(self.rows.max()) + 1, dtype=np.int64)
+        place = np.full(max(int(self.rows.max()), int(rows.max())) + 1, -1, dtype=np.int64)
         place[self.rows] = np.arange(len(self.rows))
-        return place[rows]
+        places = place[rows]
+        assert (places >= 0).all(), "an input in flight that the step before did not sample"
+        return places
 
     def get(self) -> ModelRunnerOutput:
         if self._event is not None:
