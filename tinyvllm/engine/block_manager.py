@@ -11,6 +11,7 @@ that arrives with the same prefix meanwhile can wait for them (Scheduler) instea
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from tinyvllm.engine.sequence import Sequence
 
@@ -150,6 +151,18 @@ class BlockManager:
         self._release(seq, seq.claimed_blocks[1])
         seq.block_table = []
         seq.num_registered_blocks = 0
+
+    def cache_full_blocks(self, seqs: Iterable[Sequence | None]) -> None:
+        """cache_computed_blocks for each of a step's sequences (None: one gone since) that has a block newly
+        full of computed tokens. (The test is written out here, not left to the call: this runs for every
+        sequence at every step, and most have no block newly full.)"""
+        if not self.enable_prefix_caching:
+            return
+        block_size = self.block_size
+        for seq in seqs:
+            if seq is not None and seq.block_table and \
+                    min(seq.num_computed_tokens, len(seq.token_ids)) >= (seq.num_registered_blocks + 1) * block_size:
+                self.cache_computed_blocks(seq)
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Register seq's blocks that have become full of computed tokens in the prefix cache (only those

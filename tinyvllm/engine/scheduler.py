@@ -244,11 +244,7 @@ class Scheduler:
             if len(seq.token_ids) == seq.num_prompt_tokens + 1:
                 outputs.first[entry] = (seq.num_cached_tokens, seq.first_scheduled_time)
         if self.block_manager.enable_prefix_caching:
-            cache = self.block_manager.cache_computed_blocks
-            for seq_id in out.seq_ids:
-                seq = seqs.get(seq_id)
-                if seq is not None and seq.block_table:
-                    cache(seq)
+            self.block_manager.cache_full_blocks(map(seqs.get, out.seq_ids))
         if finished:
             self.running = [s for s in self.running if not s.is_finished]
             for seq in finished:
