@@ -86,7 +86,8 @@ class OutputProcessor:
             completion = request.completions[index]
             if completion.finish_reason is not None:
                 continue  # a stop string ended it: the token that was in flight is dropped
-            if self._append(request.params, completion, token, logprobs.get(entry), finished.get(entry)):
+            if self._append(request.params, completion, token, logprobs.get(entry) if logprobs else None,
+                            finished.get(entry) if finished else None):
                 stopped.append((request_id, index, completion.stop_reason))
             metrics = request.metrics
             if metrics.first_token_time is None:
@@ -94,7 +95,9 @@ class OutputProcessor:
                 if entry in first:
                     metrics.num_cached_tokens, metrics.first_scheduled_time = first[entry]
             metrics.last_token_time = now
-            touched[request_id] = request
+            # (a final_only request has an output only when it finishes, which takes a completion finishing)
+            if request.output_kind != "final_only" or completion.finish_reason is not None:
+                touched[request_id] = request
         results = []
         for request in touched.values():
             finished_now = request.finished
