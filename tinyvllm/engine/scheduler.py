@@ -92,12 +92,17 @@ class Scheduler:
         preempted = False
         i = 0
         running = self.running  # (a preemption pops from this same list)
+        block_size = self.block_size
         while i < len(running) and budget > 0:
             seq = running[i]
-            if seq.num_output_tokens >= seq.params.max_tokens:
+            num_tokens, num_computed = seq.num_tokens, seq.num_computed_tokens
+            if num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens:
                 i += 1  # its last token is in flight: it finishes when that is read back
                 continue
-            num_new = self._try_allocate(seq, budget)
+            # The common case, a decode whose token fits in its last block, needs nothing of the block manager.
+            num_new = min(num_tokens - num_computed, budget)
+            if num_computed + num_new > len(seq.block_table) * block_size:
+                num_new = self._try_allocate(seq, budget)
             while num_new is None:
                 victim = running.pop()  # the youngest
                 self._preempt(victim)
@@ -185,11 +190,6 @@ class Scheduler:
         """Blocks for seq's next chunk (at most `budget` tokens); its size, or None if the pool is short.
         A sequence without blocks first takes what the prefix cache holds of it, and claims the full blocks
         after that, which it computes."""
-        if seq.block_table:  # the common case, a decode whose token fits in its last block: nothing to do
-            num_computed = seq.num_computed_tokens
-            num_new = min(seq.num_tokens - num_computed, budget)
-            if num_computed + num_new <= len(seq.block_table) * self.block_size:
-                return num_new
         starting = not seq.block_table
         cached = self.block_manager.find_cached_prefix(seq) if starting else []
         num_computed = max(seq.num_computed_tokens, len(cached) * self.block_manager.block_size)
