@@ -5,12 +5,7 @@ first show on the device. Each compiled kernel must wait for the kernel before i
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
-import pytest
+from tests.utils import compile_for_hopper
 
 # Prints "compiled N". Arguments: (module, kernel, constexprs, pointer types, num_warps) per kernel; pointers not
 # named are bf16, qk_scale is a float, every other argument an int32.
@@ -62,10 +57,4 @@ CASES = [
 
 
 def test_attention_sampling_and_input_kernels_compile_for_hopper() -> None:
-    if not hasattr(__import__("triton"), "compile"):
-        pytest.skip("this Triton has no triton.compile")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER, json.dumps(CASES)], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and f"compiled {len(CASES)}" in proc.stdout, proc.stderr[-3000:]
+    compile_for_hopper(COMPILE_FOR_HOPPER, CASES, 600)

@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from tests.utils import compile_for_hopper  # noqa: E402
 from tinyvllm.ops.fused_linear import (  # noqa: E402
     _KEYS,
     fused_linear_ref,
@@ -204,16 +205,5 @@ HOPPER_CASES = [  # dtype, BLOCK_M, BLOCK_N, split, W k-contiguous, norm, silu_a
 
 
 def test_kernels_compile_for_hopper() -> None:
-    import json
-    import os
-    import subprocess
-    import sys
-
-    if not hasattr(__import__("triton"), "compile"):
-        pytest.skip("this Triton has no triton.compile")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER, json.dumps(HOPPER_CASES)], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and f"compiled {len(HOPPER_CASES)}" in proc.stdout, proc.stderr[-3000:]
+    compile_for_hopper(COMPILE_FOR_HOPPER, HOPPER_CASES, 300)
 

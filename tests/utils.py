@@ -122,6 +122,22 @@ def run_python(code: str, args: Any, env: dict[str, str], timeout: float) -> dic
     return json.loads(line[len("RESULT"):])
 
 
+def compile_for_hopper(script: str, cases: list, timeout: float) -> None:
+    """Run `script` (which compiles the kernels of `cases`, its JSON argument, for sm_90 and prints "compiled N")
+    in a process without the Triton interpreter, from the repository root; fail unless all N compiled."""
+    import json
+    import subprocess
+    import sys
+
+    if not hasattr(__import__("triton"), "compile"):
+        pytest.skip("this Triton has no triton.compile")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0 and f"compiled {len(cases)}" in proc.stdout, proc.stderr[-3000:]
+
+
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
