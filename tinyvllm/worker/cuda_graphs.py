@@ -169,9 +169,8 @@ class CudaGraphs:
         """The sampling tensors a tail of this mode is captured with: the input fields, and fixed hints."""
         if mode != "sample":
             return SamplingTensors.greedy()
-        f = self.inputs.fields
-        return SamplingTensors(f["temperature"][:bs], f["top_k"][:bs], f["top_p"][:bs], f["min_p"][:bs],
-                               f["seeds"][:bs], all_greedy=False, use_top_p=False, max_top_k=0, use_min_p=True)
+        return self.sampling(bs, SamplingTensors(None, None, None, None, None, all_greedy=False, use_top_p=False,
+                                                 max_top_k=0, use_min_p=True))
 
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.batch_sizes[-1]
@@ -190,8 +189,8 @@ class CudaGraphs:
         return next(b for b in self.batch_sizes if b >= num_seqs)
 
     def sampling(self, num_rows: int, hints: SamplingTensors) -> SamplingTensors:
-        """The sampling tensors of a step whose inputs were uploaded (DecodeInputs.upload), for sampling after a
-        graph that ends in hidden states: `hints` with the first num_rows rows of the parameter fields."""
+        """`hints` with the first num_rows rows of the parameter fields: a step's, whose inputs were uploaded
+        (DecodeInputs.upload), for sampling after a graph that ends in hidden states; or a tail's, captured."""
         if hints.all_greedy:
             return hints
         f = self.inputs.fields
