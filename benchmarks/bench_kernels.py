@@ -21,11 +21,14 @@
   o and down: cuBLAS; the LM head: cuBLAS logits then the sampler's greedy argmax), beside linear.py's plain
   product and the copy ceiling, timed as --gemv times (16 weights per shape in a CUDA graph); first a bf16
   check against float32 references, then the crossover per product (the rows of ops.DECODE_KERNEL_MAX_ROWS).
+  Ours runs on output-major weights, the layout the loader keeps for a product on the decode kernels (up to
+  GEMV_MAX_ROWS rows the GEMV of tinyvllm/ops/gemv.py then runs it), the peer on the cuBLAS layout; --sweep also
+  times the GEMV's other tiles at M = 1.
 
     python benchmarks/bench_kernels.py [--quick] [--sweep [prefill|decode|rms_norm] [--sweep-only]]
     python benchmarks/bench_kernels.py --gemv [--gemv-sweep]
     python benchmarks/bench_kernels.py --cascade [--sweep cascade]
-    python benchmarks/bench_kernels.py --fused
+    python benchmarks/bench_kernels.py --fused [--batches 1,2,4,8] [--sweep]
 
 --sweep also times alternative launch configurations: attention tiles, warps, stages and splits; RMSNorm
 rows per program and warps beside a copy with the same grid; without --quick, sampling chunk sizes.
@@ -81,6 +84,8 @@ from tinyvllm.ops.fused_linear import (  # noqa: E402
     fused_norm_linear_triton,
     linear_argmax_triton,
 )
+from tinyvllm.ops.gemv import GemvConfig, gemv_triton  # noqa: E402
+from tinyvllm.ops.gemv import gemv_config as gemv_tile_config  # noqa: E402
 from tinyvllm.ops.layernorm import (  # noqa: E402
     _launch_rms_norm,
     fused_add_rms_norm_ref,
@@ -666,14 +671,17 @@ GEMV_SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
                "lm_head": (128256, 2048)}
 GEMV_BATCHES = [1, 2, 4, 8, 16, 32, 64]
 GEMV_SWEEP_BATCHES = [1, 4, 16, 32, 64]
+FUSED_BATCHES = GEMV_BATCHES  # (--batches)
 GEMV_WEIGHTS = 16  # distinct weights per shape, cycled as the 16 layers are: 16 x 8 MB and up, past the L2
 GEMV_GRAPH_MS = 4.0  # each timed graph replays for about this long
 
 
-def gemv_weights(name: str, count: int, generator: torch.Generator | None = None) -> list[torch.Tensor]:
-    """`count` random weights [N, K] of one product, in the layout the model keeps it in."""
+def gemv_weights(name: str, count: int, generator: torch.Generator | None = None,
+                 output_major: bool = False) -> list[torch.Tensor]:
+    """`count` random weights [N, K] of one product, in the layout the model keeps it in on cuBLAS (output_major:
+    on the decode kernels)."""
     n, k = GEMV_SHAPES[name]
-    if name == "lm_head":
+    if name == "lm_head" or output_major:
         return [torch.randn(n, k, device=DEVICE, dtype=DTYPE, generator=generator) for _ in range(count)]
     return [torch.randn(k, n, device=DEVICE, dtype=DTYPE, generator=generator).t() for _ in range(count)]
 
@@ -982,10 +990,10 @@ def fused_check() -> bool:
           flush=True)
     ok = True
     for name, (n, k) in GEMV_SHAPES.items():
-        w = gemv_weights(name, 1, generator)[0]
+        w = gemv_weights(name, 1, generator, output_major=True)[0]  # (the layout the loader keeps for the kernels)
         ours, peer = fused_ours(name), fused_peer(name)
         lines = []
-        for m in GEMV_BATCHES:
+        for m in FUSED_BATCHES:
             a = fused_inputs(name, m, generator)
             a32 = {key: t.float() for key, t in a.items()}
             with poisoned_empty():
@@ -1057,12 +1065,13 @@ def bench_fused(ceiling: float) -> None:
     results: dict[tuple[str, int], tuple[float, float]] = {}
     rows = []
     for name, (n, k) in GEMV_SHAPES.items():
-        weights = gemv_weights(name, GEMV_WEIGHTS)
+        weights = gemv_weights(name, GEMV_WEIGHTS)  # the peer's: the layout the loader keeps for cuBLAS
+        ours_weights = gemv_weights(name, GEMV_WEIGHTS, output_major=True)  # the decode kernels' layout
         nbytes = n * k * 2
         ours, peer = fused_ours(name), fused_peer(name)
-        for m in GEMV_BATCHES:
+        for m in FUSED_BATCHES:
             a = fused_inputs(name, m)
-            ours_us, peer_us = time_fused(name, ours, a, weights), time_fused(name, peer, a, weights)
+            ours_us, peer_us = time_fused(name, ours, a, ours_weights), time_fused(name, peer, a, weights)
             plain_us = time_gemv(name, weights, a["x"], None)
             results[name, m] = (ours_us, peer_us)
             gbps = [nbytes / us / 1e3 for us in (ours_us, peer_us)]
@@ -1070,7 +1079,7 @@ def bench_fused(ceiling: float) -> None:
                          f"{100 * gbps[0] / ceiling:.0f}%", f"{peer_us:.2f}", f"{gbps[1]:,.0f}",
                          f"{100 * gbps[1] / ceiling:.0f}%", f"{plain_us:.2f}", f"{peer_us / ours_us:.2f}x"))
             print("  " + "  ".join(rows[-1]), flush=True)
-        del weights
+        del weights, ours_weights
         torch.cuda.empty_cache()
     print(f"\n## Fused decode kernels vs the unfused step, bf16, {GEMV_WEIGHTS} weights per shape in a CUDA graph "
           f"(GB/s of weight read; copy ceiling {ceiling:.0f} GB/s)")
@@ -1080,23 +1089,49 @@ def bench_fused(ceiling: float) -> None:
                    "linear.py us", "peer/ours"), rows)
     print("\nCrossover (peer/ours > 1: ours faster), for ops.DECODE_KERNEL_MAX_ROWS:")
     for name in GEMV_SHAPES:
-        slower = [m for m in GEMV_BATCHES if results[name, m][0] > results[name, m][1]]
-        faster = [m for m in GEMV_BATCHES if not slower or m < slower[0]]
+        slower = [m for m in FUSED_BATCHES if results[name, m][0] > results[name, m][1]]
+        faster = [m for m in FUSED_BATCHES if not slower or m < slower[0]]
         print(f"  {name}: ours faster up to M={faster[-1] if faster else 0}" +
               (f"; the peer faster at M={slower}" if slower else " (every M measured)"))
 
 
-def run_fused() -> int:
-    gemv_precompile([(name, m, None) for name in GEMV_SHAPES for m in GEMV_BATCHES])  # (linear.py's, for its column)
+def sweep_gemv_tiles(ceiling: float) -> None:
+    """The GEMV (gemv.py) at M = 1 with other weight tiles per program and warps, each product as the model runs it
+    (norm prologue for qkv and gate_up, SiLU·mul for gate_up), 16 weights per shape in a CUDA graph."""
+    print("\n## GEMV tiles at M = 1 (us; weight elements per program, warps)\n", flush=True)
+    rows = []
+    for name in ("qkv", "o", "gate_up", "down"):
+        n, k = GEMV_SHAPES[name]
+        weights = gemv_weights(name, GEMV_WEIGHTS, output_major=True)
+        a = fused_inputs(name, 1)
+        silu = name == "gate_up"
+        for tile, warps in itertools.product((8192, 16384, 32768), (4, 8)):
+            config = gemv_tile_config(n // 2 if silu else n, k, silu, tile_elements=tile)._replace(num_warps=warps)
+
+            def run(a: dict, w: torch.Tensor, config: GemvConfig = config, silu: bool = silu) -> object:
+                return gemv_triton(a["x"], w, a.get("residual"), a.get("norm_weight"), FUSED_EPS, silu, config)
+            us = time_fused(name, run, a, weights)
+            rows.append((name, str(tile), str(warps), str(config.block_n), f"{us:.2f}",
+                         f"{100 * n * k * 2 / us / 1e3 / ceiling:.0f}%"))
+            print("  " + "  ".join(rows[-1]), flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    print_columns(("product", "tile elements", "warps", "rows per program", "us", "of copy"), rows)
+
+
+def run_fused(sweep_tiles: bool) -> int:
+    gemv_precompile([(name, m, None) for name in GEMV_SHAPES for m in FUSED_BATCHES])  # (linear.py's, for its column)
     ok = fused_check()
     ceiling = copy_ceiling()
     print(f"device-to-device copy (2 GiB): {ceiling:.0f} GB/s (read + written)", flush=True)
     bench_fused(ceiling)
+    if sweep_tiles:
+        sweep_gemv_tiles(ceiling)
     return 0 if ok else 1
 
 
 def main() -> int:
-    global QUICK
+    global QUICK, FUSED_BATCHES
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer decode shapes, shorter timing runs")
     parser.add_argument("--sweep", nargs="?", const="all", choices=("all", "prefill", "decode", "rms_norm", "cascade"),
@@ -1107,15 +1142,18 @@ def main() -> int:
     parser.add_argument("--cascade", action="store_true", help="the cascade attention section alone (check + table)")
     parser.add_argument("--fused", action="store_true", help="the fused decode kernels alone (check + table)")
     parser.add_argument("--sampling", action="store_true", help="the sampling table alone")
+    parser.add_argument("--batches", type=lambda text: [int(m) for m in text.split(",")], default=GEMV_BATCHES,
+                        help="with --fused: the row counts M (default 1,2,4,8,16,32,64)")
     args = parser.parse_args()
     QUICK = args.quick
+    FUSED_BATCHES = args.batches
     if not torch.cuda.is_available():
         print("benchmarks/bench_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
     if args.fused:
-        return run_fused()
+        return run_fused(args.sweep is not None)
     if args.gemv or args.gemv_sweep:
         return run_gemv(args.gemv_sweep)
     if args.cascade:

@@ -1,4 +1,4 @@
-"""The attention, sampling and decode-input kernels compile for Hopper (sm_90) with Triton's own compiler, which
+"""The attention, sampling, decode-input and GEMV kernels compile for Hopper (sm_90) with Triton's own compiler, which
 needs no GPU, in a process without the interpreter: the interpreter runs kernels as Python, so what only the
 compiler refuses (a branch that is not static, mismatched types between branches, a shape it cannot lay out) would
 first show on the device. Each compiled kernel must wait for the kernel before it (programmatic dependent launch)."""
@@ -25,7 +25,7 @@ for module, name, constants, pointers, num_warps in json.loads(sys.argv[1]):
         elif arg.endswith("_ptr"):
             signature[arg] = pointers.get(arg, "*bf16")
         else:
-            signature[arg] = "fp32" if arg == "qk_scale" else "i32"
+            signature[arg] = "fp32" if arg in ("qk_scale", "eps") else "i32"
     compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": 3})
     assert "griddepcontrol.wait" in compiled.asm["ptx"], f"{name} {constants}: no PDL wait"
@@ -53,8 +53,13 @@ CASES = [
     ("tinyvllm.ops.decode_inputs", "_unpack_decode_inputs_kernel", dict(BLOCK=256, USE_PDL=True),
      {"input_ids_ptr": "*i64", "pending_ptr": "*i64", "tokens_ptr": "*i64", "packed_ptr": "*i32",
       "width_ptr": "*i32", "tables_ptr": "*i32"}, 1),
+    # The GEMV at the 1B's shapes: qkv with the norm (K 2048, 8 rows), gate_up with the norm and SiLU·mul, down
+    # (K 8192, 2 rows): 32 KB of weights per program.
+    *[("tinyvllm.ops.gemv", "_gemv_kernel", dict(BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm, HAS_RESIDUAL=norm,
+                                                  SILU_MUL=silu, USE_PDL=True), {}, 4)
+      for block_n, block_k, norm, silu in ((8, 2048, True, False), (4, 2048, True, True), (2, 8192, False, False))],
 ]
 
 
-def test_attention_sampling_and_input_kernels_compile_for_hopper() -> None:
+def test_kernels_compile_for_hopper() -> None:
     compile_for_hopper(COMPILE_FOR_HOPPER, CASES, 600)

@@ -37,16 +37,35 @@ def test_cpu_path_never_uses_the_decode_kernels(checkpoint: str, monkeypatch: py
     assert _greedy(llm) == hf_greedy(hf_model(checkpoint), PROMPT, NUM_TOKENS)
 
 
-def test_forced_decode_kernels_match_the_separate_ops(checkpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("layout", ["input-major", "output-major"])
+def test_forced_decode_kernels_match_the_separate_ops(checkpoint: str, monkeypatch: pytest.MonkeyPatch,
+                                                      layout: str) -> None:
     """Every product on the fused kernels (the interpreter runs them on CPU tensors): the first layer's norm
     without a residual, the residual stream between layers, gate_up's SiLU·mul, o and down plain, and the greedy
     step through the LM head's argmax (ModelRunner.sample, with its rows padded as on CUDA too: three sequences on
-    four rows) give the hidden states and tokens of the plain path."""
+    four rows) give the hidden states and tokens of the plain path. With the projections output-major, as the
+    loader keeps them on CUDA for the decode kernels, every step here (at most 5 tokens) runs them on the GEMV."""
     pytest.importorskip("triton")
+    import importlib
+
+    from tinyvllm.model.llama import Linear
     from tinyvllm.ops.fused_linear import fused_linear_triton, fused_norm_linear_triton, linear_argmax_triton
 
     llm = tiny_llm(checkpoint, num_kv_blocks=32)
     model = llm.llm_engine.engine_core.model_runner.model
+    if layout == "output-major":
+        for module in model.modules():
+            if isinstance(module, Linear) and module.product:
+                module.weight.data = module.weight.data.contiguous()
+    fused_linear_module = importlib.import_module("tinyvllm.ops.fused_linear")  # (ops.fused_linear is the op)
+    gemv_calls: list[int] = []
+    real_gemv = fused_linear_module.gemv_triton
+
+    def counted_gemv(*args: Any, **kwargs: Any) -> Any:
+        gemv_calls.append(1)
+        return real_gemv(*args, **kwargs)
+
+    monkeypatch.setattr(fused_linear_module, "gemv_triton", counted_gemv)
     plain_logits = our_logits(llm, PROMPT)
     plain_tokens = _greedy(llm)
     plain_others = [list(o.outputs[0].token_ids) for o in llm.generate([PROMPT[:3], PROMPT[1:]], GREEDY,
@@ -67,6 +86,7 @@ def test_forced_decode_kernels_match_the_separate_ops(checkpoint: str, monkeypat
     layers = model.config.num_layers
     fused_logits = our_logits(llm, PROMPT)
     assert sorted(calls) == ["fused_linear"] * 2 * layers + ["fused_norm_linear"] * 2 * layers
+    assert len(gemv_calls) == (len(calls) if layout == "output-major" else 0)
     torch.testing.assert_close(fused_logits, plain_logits, atol=1e-4, rtol=1e-4)
     with torch.inference_mode():
         hidden = torch.randn(3, model.config.hidden_size)

@@ -497,30 +497,36 @@ def run_fused_product(product: str, x: torch.Tensor, w: torch.Tensor, residual: 
 
 @pytest.mark.parametrize("m", FUSED_ROWS)
 @pytest.mark.parametrize("product", list(FUSED_SHAPES))
+@pytest.mark.parametrize("layout", ["input-major", "output-major"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_decode_product(dtype: torch.dtype, product: str, m: int) -> None:
+def test_fused_decode_product(dtype: torch.dtype, layout: str, product: str, m: int) -> None:
     """qkv and gate_up with the RMSNorm prologue and the residual add (gate_up with SiLU·mul), o and down plain,
-    against the float32 references of the same inputs."""
+    against the float32 references of the same inputs; with output-major weights up to GEMV_MAX_ROWS rows, the
+    GEMV (gemv.py) runs them."""
     if dtype == torch.float32 and m not in (1, 4, 16):
         pytest.skip("float32 (the engine's exact-greedy check) at a few row counts")
     generator, seed = fresh_generator()
     n, k = FUSED_SHAPES[product]
-    w = input_major(n, k, generator, dtype)
+    w = input_major(n, k, generator, dtype) if layout == "input-major" else rand(n, k, generator=generator,
+                                                                                 dtype=dtype)
     x, residual = rand(m, k, generator=generator, dtype=dtype), rand(m, k, generator=generator, dtype=dtype)
     norm_weight = 1 + 0.1 * rand(k, generator=generator, dtype=dtype)
     y, new_residual, ref, ref_residual = run_fused_product(product, x, w, residual, norm_weight)
-    what = f"{product} {n}x{k} M={m} {short(dtype)} (seed {seed})"
+    what = f"{product} {n}x{k} {layout} M={m} {short(dtype)} (seed {seed})"
     assert_close(what, y, ref, dtype)
     if new_residual is not None:
         assert_close(what + " new residual", new_residual, ref_residual, dtype)
 
 
 @pytest.mark.parametrize("m", [1, 16])
-def test_fused_norm_without_residual(m: int) -> None:
+@pytest.mark.parametrize("layout", ["input-major", "output-major"])
+def test_fused_norm_without_residual(layout: str, m: int) -> None:
     """The first layer's input_layernorm: no residual; the stream is x itself."""
     generator, seed = fresh_generator()
     n, k = FUSED_SHAPES["qkv"]
-    w, x = input_major(n, k, generator, torch.bfloat16), rand(m, k, generator=generator, dtype=torch.bfloat16)
+    x = rand(m, k, generator=generator, dtype=torch.bfloat16)
+    w = input_major(n, k, generator, torch.bfloat16) if layout == "input-major" else rand(
+        n, k, generator=generator, dtype=torch.bfloat16)
     norm_weight = 1 + 0.1 * rand(k, generator=generator, dtype=torch.bfloat16)
     y, new_residual, ref, _ = run_fused_product("qkv", x, w, None, norm_weight)
     assert new_residual is x

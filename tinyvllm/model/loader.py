@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from tinyvllm import ops
 from tinyvllm.config import ConfigError, ModelConfig, check_architecture, check_tensor_parallel_size
 from tinyvllm.distributed import TensorParallel
 from tinyvllm.model.checkpoint import ModelLoadError, iter_safetensors
@@ -91,9 +92,11 @@ def _use_input_major_weights(model: nn.Module) -> None:
     """Keep each projection's weight stored [in, out] (F.linear sees the same [out, in] tensor, transposed).
     On the CPU, MKL then multiplies faster at decode batch sizes; on the H200 cuBLAS picks kernels for it
     that are as fast or faster (down_proj at M=1 needs no split-K reduce pass): benchmarks/profile_step.py,
-    figures in benchmarks/RESULTS.md."""
+    figures in benchmarks/RESULTS.md. A product that runs on our decode kernels keeps [out, in], the GEMV's
+    layout (ops.decode_kernel_on)."""
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, Linear) and not (module.product and ops.decode_kernel_on(module.product,
+                                                                                        module.weight.device)):
             module.weight.data = module.weight.data.t().contiguous().t()
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "fused_norm_linear",
     "linear_argmax",
     "use_decode_kernel",
+    "decode_kernel_on",
     "DECODE_KERNEL_MAX_ROWS",
     "rms_norm",
     "fused_add_rms_norm",
@@ -56,10 +57,27 @@ _DECODE_KERNELS_OFF = os.environ.get("TINYVLLM_SKINNY", "1") == "0"
 #   gate_up: RMSNorm (post_attention_layernorm, with the residual add) + gate/up + SiLU·mul
 #   down:    the MLP's down projection
 #   lm_head: the LM head with greedy argmax, for steps that sample greedily and need no logits
-# Measured on the H200, only the LM head's kernel won; the layers' fused kernels lost to cuBLAS with the separate
+# TINYVLLM_DECODE_KERNEL_ROWS overrides entries (see _override_decode_kernel_rows). Measured on the H200, only the
+# LM head's kernel won; the layers' fused kernels lost to cuBLAS with the separate
 # kernels (the norm prologue and the SiLU epilogue cost more than the launches they save), so they stay off until
 # a faster kernel wins its measurement.
 DECODE_KERNEL_MAX_ROWS: dict[str, int] = {"qkv": 0, "o": 0, "gate_up": 0, "down": 0, "lm_head": 64}
+
+
+def _override_decode_kernel_rows(table: dict[str, int], spec: str) -> dict[str, int]:
+    """TINYVLLM_DECODE_KERNEL_ROWS="qkv=8,o=8" sets entries of the table (to measure a crossover end to end)."""
+    table = dict(table)
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, rows = item.partition("=")
+        if name not in table or not rows.isdigit():
+            raise ValueError(f"TINYVLLM_DECODE_KERNEL_ROWS: {item!r} is not <product>=<rows> with a product of "
+                             f"{sorted(table)}")
+        table[name] = int(rows)
+    return table
+
+
+DECODE_KERNEL_MAX_ROWS = _override_decode_kernel_rows(DECODE_KERNEL_MAX_ROWS,
+                                                      os.environ.get("TINYVLLM_DECODE_KERNEL_ROWS", ""))
 
 
 def triton_available() -> bool:
@@ -103,12 +121,19 @@ def _dispatch(name: str, reference: Callable[..., Any]) -> Callable[..., Any]:
     return op
 
 
+def decode_kernel_on(product: str, device: torch.device) -> bool:
+    """Whether `product` (a key of DECODE_KERNEL_MAX_ROWS) runs on the fused decode kernels at some row counts on
+    `device`: on CUDA with Triton, and a crossover above 0. The loader then keeps its weight output-major, the
+    layout of the GEMV (gemv.py) that takes the fewest rows."""
+    return (device.type == "cuda" and not _DECODE_KERNELS_OFF and "fused_linear" in _TRITON
+            and DECODE_KERNEL_MAX_ROWS[product] > 0)
+
+
 def use_decode_kernel(product: str, x: torch.Tensor) -> bool:
-    """Whether `product` (a key of DECODE_KERNEL_MAX_ROWS) on the input x [tokens, K] runs on the fused decode
-    kernels: on CUDA with Triton, up to the product's crossover. The model asks only where the weights are
-    whole (tensor parallel size 1) and there is no bias; CUDA graphs capture the answer of each batch size."""
-    return (x.is_cuda and not _DECODE_KERNELS_OFF and "fused_linear" in _TRITON
-            and x.shape[0] <= DECODE_KERNEL_MAX_ROWS[product])
+    """Whether `product` on the input x [tokens, K] runs on the fused decode kernels: decode_kernel_on, up to the
+    product's crossover. The model asks only where the weights are whole (tensor parallel size 1) and there is
+    no bias; CUDA graphs capture the answer of each batch size."""
+    return decode_kernel_on(product, x.device) and x.shape[0] <= DECODE_KERNEL_MAX_ROWS[product]
 
 
 embedding = _dispatch("embedding", embedding_ref)

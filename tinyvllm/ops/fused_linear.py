@@ -32,6 +32,7 @@ except ImportError:  # the CPU engine imports the references on machines without
     triton = None
 
 from tinyvllm.ops.activation import silu_and_mul_ref
+from tinyvllm.ops.gemv import gemv_applies, gemv_triton
 from tinyvllm.ops.layernorm import fused_add_rms_norm_ref, rms_norm_ref
 from tinyvllm.ops.linear import SkinnyConfig, _counters, _num_sms, _weight_layout, skinny_matmul_config
 from tinyvllm.ops.pdl import pdl_options, pdl_wait
@@ -335,8 +336,12 @@ def _launch(
 
 def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, silu_and_mul: bool = False,
                         config: SkinnyConfig | None = None) -> torch.Tensor:
-    """The Triton kernel of fused_linear_ref: x [..., K], weight [N, K] in either layout the engine stores."""
-    y, _ = _launch(x, weight, silu_and_mul=silu_and_mul, config=config)
+    """The Triton kernel of fused_linear_ref: x [..., K], weight [N, K] in either layout the engine stores (a few
+    rows and an output-major weight: gemv.py's kernel)."""
+    if config is None and gemv_applies(x, weight):
+        y, _ = gemv_triton(x, weight, silu_and_mul=silu_and_mul)
+    else:
+        y, _ = _launch(x, weight, silu_and_mul=silu_and_mul, config=config)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -345,9 +350,12 @@ def fused_norm_linear_triton(
     silu_and_mul: bool = False, config: SkinnyConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel of fused_norm_linear_ref: one launch reads x and residual, writes the product and the
-    new residual stream."""
-    y, new_residual = _launch(x, weight, residual=residual, norm_weight=norm_weight, eps=eps,
-                              silu_and_mul=silu_and_mul, config=config)
+    new residual stream (a few rows and an output-major weight: gemv.py's kernel)."""
+    if config is None and gemv_applies(x, weight):
+        y, new_residual = gemv_triton(x, weight, residual, norm_weight, eps, silu_and_mul)
+    else:
+        y, new_residual = _launch(x, weight, residual=residual, norm_weight=norm_weight, eps=eps,
+                                  silu_and_mul=silu_and_mul, config=config)
     new_residual = x if new_residual is None else new_residual.reshape(x.shape)
     return y.reshape(*x.shape[:-1], y.shape[-1]), new_residual
 

@@ -1,0 +1,87 @@
+"""The prefetching GEMV (tinyvllm/ops/gemv.py) against fused_linear.py's references, under the Triton interpreter on
+CPU tensors in float32 (conftest sets TRITON_INTERPRET=1): the plain product, the RMSNorm prologue with and
+without the residual, the SiLU·mul epilogue, at one and several rows, with K and N that are not powers of two or
+multiples of the tile, and through fused_linear's entry points, which pick it for output-major weights and a few
+rows. Outputs are poisoned with NaN, so an unwritten element fails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tinyvllm.ops.fused_linear import (  # noqa: E402
+    fused_linear_ref,
+    fused_linear_triton,
+    fused_norm_linear_ref,
+    fused_norm_linear_triton,
+)
+from tinyvllm.ops.gemv import GEMV_MAX_ROWS, GemvConfig, gemv_applies, gemv_triton  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("poison_outputs")  # (conftest: unwritten outputs show as NaN)
+
+K, N = 48, 40  # K padded to 64 in the kernel; N: the last program's rows partly past the end
+EPS = 1e-5
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 3, GEMV_MAX_ROWS])
+@pytest.mark.parametrize("block_n", [1, 16])
+@pytest.mark.parametrize("k", [K, 64])
+def test_plain_product(m: int, block_n: int, k: int) -> None:
+    """o_proj / down_proj; K = 64 fills the padded row exactly (the loads without a K mask)."""
+    torch.manual_seed(m * 100 + block_n + k)
+    x, w = torch.randn(m, k), torch.randn(N, k)
+    y, new_residual = gemv_triton(x, w, config=GemvConfig(block_n))
+    assert new_residual is None
+    _close(y, fused_linear_ref(x, w))
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_silu_and_mul_epilogue(m: int) -> None:
+    """gate_up: gate rows n and up rows N + n of the merged weight; the output is [M, N]."""
+    torch.manual_seed(m)
+    x, w = torch.randn(m, K), torch.randn(2 * N, K)
+    y, _ = gemv_triton(x, w, silu_and_mul=True, config=GemvConfig(8))
+    assert y.shape == (m, N)
+    _close(y, fused_linear_ref(x, w, silu_and_mul=True))
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("silu_and_mul", [False, True])
+@pytest.mark.parametrize("m", [1, 5])
+def test_norm_prologue(with_residual: bool, silu_and_mul: bool, m: int) -> None:
+    """qkv (input_layernorm) and gate_up (post_attention_layernorm): rms_norm(x + residual) times W, and the new
+    residual stream written once (by program 0) for every row."""
+    torch.manual_seed(m + 10 * with_residual + 100 * silu_and_mul)
+    x, norm_weight = torch.randn(m, K), 1 + 0.1 * torch.randn(K)
+    residual = torch.randn(m, K) if with_residual else None
+    w = torch.randn(2 * N if silu_and_mul else N, K)
+    y, new_residual = gemv_triton(x, w, residual, norm_weight, EPS, silu_and_mul, GemvConfig(8))
+    ref, ref_residual = fused_norm_linear_ref(x, residual, norm_weight, EPS, w, silu_and_mul)
+    _close(y, ref)
+    if with_residual:
+        _close(new_residual, ref_residual)
+    else:
+        assert new_residual is None
+
+
+def test_fused_linear_entry_points_pick_it() -> None:
+    """fused_linear and fused_norm_linear run the GEMV for output-major weights and up to GEMV_MAX_ROWS rows (the
+    tiled kernel otherwise), with the same results as the references either way."""
+    torch.manual_seed(0)
+    w = torch.randn(N, K)
+    assert gemv_applies(torch.randn(1, K), w) and gemv_applies(torch.randn(GEMV_MAX_ROWS, K), w)
+    assert not gemv_applies(torch.randn(GEMV_MAX_ROWS + 1, K), w)
+    assert not gemv_applies(torch.randn(1, K), w.t().contiguous().t())  # input-major: the tiled kernel
+    for m in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1):
+        x, residual, norm_weight = torch.randn(m, K), torch.randn(m, K), 1 + 0.1 * torch.randn(K)
+        _close(fused_linear_triton(x, w), fused_linear_ref(x, w))
+        y, new_residual = fused_norm_linear_triton(x, residual, norm_weight, EPS, w)
+        ref, ref_residual = fused_norm_linear_ref(x, residual, norm_weight, EPS, w)
+        _close(y, ref)
+        _close(new_residual, ref_residual)
