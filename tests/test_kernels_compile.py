@@ -56,8 +56,9 @@ CASES = [
     # The GEMV at the 1B's shapes: qkv with the norm (K 2048, 8 rows), gate_up with the norm and SiLU·mul, down
     # (K 8192, 2 rows): 32 KB of weights per program.
     *[("tinyvllm.ops.gemv", "_gemv_kernel", dict(BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm, HAS_RESIDUAL=norm,
-                                                  SILU_MUL=silu, USE_PDL=True), {}, 4)
-      for block_n, block_k, norm, silu in ((8, 2048, True, False), (4, 2048, True, True), (2, 8192, False, False))],
+                                                  SILU_MUL=silu, EARLY_LAUNCH=early, USE_PDL=True), {}, 4)
+      for block_n, block_k, norm, silu, early in ((8, 2048, True, False, False), (4, 2048, True, True, True),
+                                                  (2, 8192, False, False, False))],
 ]
 
 
