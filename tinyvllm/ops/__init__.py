@@ -57,10 +57,9 @@ _DECODE_KERNELS_OFF = os.environ.get("TINYVLLM_SKINNY", "1") == "0"
 #   gate_up: RMSNorm (post_attention_layernorm, with the residual add) + gate/up + SiLU·mul
 #   down:    the MLP's down projection
 #   lm_head: the LM head with greedy argmax, for steps that sample greedily and need no logits
-# TINYVLLM_DECODE_KERNEL_ROWS overrides entries (see _override_decode_kernel_rows). Measured on the H200, only the
-# LM head's kernel won; the layers' fused kernels lost to cuBLAS with the separate
+# Measured on the H200, only the LM head's kernel won; the layers' fused kernels lost to cuBLAS with the separate
 # kernels (the norm prologue and the SiLU epilogue cost more than the launches they save), so they stay off until
-# a faster kernel wins its measurement.
+# a faster kernel wins its measurement. TINYVLLM_DECODE_KERNEL_ROWS overrides entries, to take that measurement.
 DECODE_KERNEL_MAX_ROWS: dict[str, int] = {"qkv": 0, "o": 0, "gate_up": 0, "down": 0, "lm_head": 64}
 
 
