@@ -53,12 +53,11 @@ CASES = [
     ("tinyvllm.ops.decode_inputs", "_unpack_decode_inputs_kernel", dict(BLOCK=256, USE_PDL=True),
      {"input_ids_ptr": "*i64", "pending_ptr": "*i64", "tokens_ptr": "*i64", "packed_ptr": "*i32",
       "width_ptr": "*i32", "tables_ptr": "*i32"}, 1),
-    # The GEMV at the 1B's shapes: qkv with the norm (K 2048, 8 rows), gate_up with the norm and SiLU·mul, down
-    # (K 8192, 2 rows): 32 KB of weights per program.
+    # The GEMV at the 1B's shapes: qkv with the norm (K 2048, 4 rows), gate_up with the norm and SiLU·mul, down
+    # (K 8192, 1 row): 16 KB of weights per program.
     *[("tinyvllm.ops.gemv", "_gemv_kernel", dict(BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm, HAS_RESIDUAL=norm,
-                                                  SILU_MUL=silu, EARLY_LAUNCH=early, USE_PDL=True), {}, 4)
-      for block_n, block_k, norm, silu, early in ((8, 2048, True, False, False), (4, 2048, True, True, True),
-                                                  (2, 8192, False, False, False))],
+                                                  SILU_MUL=silu, EVEN_K=True, USE_PDL=True), {}, 4)
+      for block_n, block_k, norm, silu in ((4, 2048, True, False), (2, 2048, True, True), (1, 8192, False, False))],
 ]
 
 

@@ -44,7 +44,7 @@ def test_forced_decode_kernels_match_the_separate_ops(checkpoint: str, monkeypat
     without a residual, the residual stream between layers, gate_up's SiLU·mul, o and down plain, and the greedy
     step through the LM head's argmax (ModelRunner.sample, with its rows padded as on CUDA too: three sequences on
     four rows) give the hidden states and tokens of the plain path. With the projections output-major, as the
-    loader keeps them on CUDA for the decode kernels, every step here (at most 5 tokens) runs them on the GEMV."""
+    loader keeps them on CUDA for the decode kernels, the decode steps run them on the GEMV."""
     pytest.importorskip("triton")
     import importlib
 
@@ -86,7 +86,7 @@ def test_forced_decode_kernels_match_the_separate_ops(checkpoint: str, monkeypat
     layers = model.config.num_layers
     fused_logits = our_logits(llm, PROMPT)
     assert sorted(calls) == ["fused_linear"] * 2 * layers + ["fused_norm_linear"] * 2 * layers
-    assert len(gemv_calls) == (len(calls) if layout == "output-major" else 0)
+    assert not gemv_calls  # (5 tokens: more rows than the GEMV takes)
     torch.testing.assert_close(fused_logits, plain_logits, atol=1e-4, rtol=1e-4)
     with torch.inference_mode():
         hidden = torch.randn(3, model.config.hidden_size)
@@ -94,6 +94,8 @@ def test_forced_decode_kernels_match_the_separate_ops(checkpoint: str, monkeypat
     calls.clear()
     assert _greedy(llm) == plain_tokens
     assert calls.count("linear_argmax") == NUM_TOKENS  # every step's token from the LM head's argmax
+    # The decode steps (one token each) on the GEMV where the weights are output-major: 4 products a layer.
+    assert len(gemv_calls) == ((NUM_TOKENS - 1) * 4 * layers if layout == "output-major" else 0)
     llm.llm_engine.engine_core.model_runner.fixed_shapes = True  # (as on CUDA: the LM head's rows padded)
     assert [list(o.outputs[0].token_ids) for o in llm.generate([PROMPT, PROMPT[:3], PROMPT[1:]], GREEDY,
                                                                use_tqdm=False)] == [plain_tokens, *plain_others]

@@ -53,7 +53,7 @@ def test_silu_and_mul_epilogue(m: int) -> None:
 
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("silu_and_mul", [False, True])
-@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("m", [1, GEMV_MAX_ROWS])
 def test_norm_prologue(with_residual: bool, silu_and_mul: bool, m: int) -> None:
     """qkv (input_layernorm) and gate_up (post_attention_layernorm): rms_norm(x + residual) times W, and the new
     residual stream written once (by program 0) for every row."""

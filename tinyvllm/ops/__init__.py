@@ -57,10 +57,11 @@ _DECODE_KERNELS_OFF = os.environ.get("TINYVLLM_SKINNY", "1") == "0"
 #   gate_up: RMSNorm (post_attention_layernorm, with the residual add) + gate/up + SiLU·mul
 #   down:    the MLP's down projection
 #   lm_head: the LM head with greedy argmax, for steps that sample greedily and need no logits
-# Measured on the H200, only the LM head's kernel won; the layers' fused kernels lost to cuBLAS with the separate
-# kernels (the norm prologue and the SiLU epilogue cost more than the launches they save), so they stay off until
-# a faster kernel wins its measurement. TINYVLLM_DECODE_KERNEL_ROWS overrides entries, to take that measurement.
-DECODE_KERNEL_MAX_ROWS: dict[str, int] = {"qkv": 0, "o": 0, "gate_up": 0, "down": 0, "lm_head": 64}
+# The layers' products run on the GEMV of gemv.py (output-major weights, fetched before the kernel before them ends)
+# where it beat cuBLAS with the separate norm and SiLU kernels: at one row for qkv, gate_up and down, up to four for
+# o (M = 1 and 4 measured; the tiled kernels of fused_linear.py lost at every M they were measured at). The LM head's
+# argmax kernel wins up to 64 rows. TINYVLLM_DECODE_KERNEL_ROWS overrides entries, to measure another crossover.
+DECODE_KERNEL_MAX_ROWS: dict[str, int] = {"qkv": 1, "o": 4, "gate_up": 1, "down": 1, "lm_head": 64}
 
 
 def _override_decode_kernel_rows(table: dict[str, int], spec: str) -> dict[str, int]:

@@ -5,7 +5,7 @@ fused_linear.py's references define them (fused_linear_ref, fused_norm_linear_re
 
 Why: at batch 1 a decoder layer's four products read 120 MB of weights, a few microseconds of HBM time each,
 and cuBLAS runs them as separate launches that each pay a ramp-up and a tail with HBM idle. Weights never
-depend on the kernel before, so each program here loads its whole slab of W (about 32 KB: a few rows of K,
+depend on the kernel before, so each program here loads its whole slab of W (16 KB: a few rows of K,
 so no split-K and no reduction across programs) into registers first, and only then waits for the kernel
 before (programmatic dependent launch, ops/pdl.py) to read x. Launched with PDL, the weight stream of one
 product runs under the tail of the kernel before it: a layer becomes one stream of weight reads rather than
@@ -21,7 +21,6 @@ weight holds them), all of K at once (BLOCK_K = K padded to a power of two). Eac
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -32,13 +31,10 @@ try:
 except ImportError:  # the CPU engine imports the references on machines without Triton
     triton = None
 
-from tinyvllm.ops.pdl import pdl_launch_dependents, pdl_options, pdl_wait
+from tinyvllm.ops.pdl import pdl_options, pdl_wait
 
-GEMV_MAX_ROWS = 8  # rows (tokens) a GEMV takes; more go to the tiled kernels or cuBLAS
-# Experiment (TINYVLLM_GEMV_EARLY_LAUNCH=1): let the next kernel launch before this one's weight loads rather than
-# after its wait, so that it may start its own prefetch a kernel further ahead.
-_EARLY_LAUNCH = os.environ.get("TINYVLLM_GEMV_EARLY_LAUNCH", "0") == "1"
-_TILE_BYTES = 32768  # weight bytes per program: 64 registers a thread at 4 warps
+GEMV_MAX_ROWS = 4  # rows (tokens) a GEMV takes; more go to the tiled kernels or cuBLAS
+_TILE_BYTES = 16384  # weight bytes per program (32 registers a thread at 4 warps): the fastest tile at M = 1
 
 
 class GemvConfig(NamedTuple):
@@ -69,10 +65,8 @@ if triton is not None:
         y_ptr, x_ptr, w_ptr, residual_ptr, new_residual_ptr, norm_weight_ptr,
         M, N, K, stride_x, stride_r, stride_nr, stride_y, eps,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-        SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, EARLY_LAUNCH: tl.constexpr, USE_PDL: tl.constexpr,
+        SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
     ):
-        if EARLY_LAUNCH:
-            pdl_launch_dependents(USE_PDL)
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -138,7 +132,6 @@ def gemv_triton(
         y, x2, weight, res2, nres, norm_weight if norm else x2,
         m, n, k, x2.stride(0), res2.stride(0), nres.stride(0), y.stride(0), eps,
         BLOCK_N=config.block_n, BLOCK_K=block_k, NORM=norm, HAS_RESIDUAL=residual is not None,
-        SILU_MUL=silu_and_mul, EVEN_K=k == block_k, EARLY_LAUNCH=_EARLY_LAUNCH, num_warps=config.num_warps,
-        num_stages=1, **pdl_options(x2),
+        SILU_MUL=silu_and_mul, EVEN_K=k == block_k, num_warps=config.num_warps, num_stages=1, **pdl_options(x2),
     )
     return y, new_residual

@@ -44,7 +44,7 @@ def pdl_options(t: torch.Tensor) -> dict:
     return _ON if t.is_cuda and _supported(t.device.index or 0) else _OFF
 
 
-pdl_wait = pdl_launch_dependents = None
+pdl_wait = None
 if triton is not None:
 
     @triton.jit
@@ -52,12 +52,4 @@ if triton is not None:
         """The first statement of a PDL kernel: wait for the kernel before, then let the next one start."""
         if USE_PDL:  # only ever True where gdc_wait was imported (pdl_options)
             gdc_wait()
-            gdc_launch_dependents()
-
-    @triton.jit
-    def pdl_launch_dependents(USE_PDL: tl.constexpr):
-        """Let the next kernel be scheduled before this one waits (pdl_wait lets it after): safe for any kernel,
-        since every kernel waits for the one before it to finish before touching memory; it only lets the next
-        one's CTAs take SM slots, and start what comes before their own wait, earlier."""
-        if USE_PDL:
             gdc_launch_dependents()
