@@ -85,3 +85,15 @@ def test_fused_linear_entry_points_pick_it() -> None:
         ref, ref_residual = fused_norm_linear_ref(x, residual, norm_weight, EPS, w)
         _close(y, ref)
         _close(new_residual, ref_residual)
+
+
+def test_decode_kernel_rows_override() -> None:
+    """TINYVLLM_DECODE_KERNEL_ROWS sets entries of the table (for an end-to-end A/B) and refuses what it cannot read."""
+    from tinyvllm.ops import _override_decode_kernel_rows
+
+    table = {"qkv": 1, "o": 4, "lm_head": 64}
+    assert _override_decode_kernel_rows(table, "") == table
+    assert _override_decode_kernel_rows(table, "qkv=0, o=0") == {"qkv": 0, "o": 0, "lm_head": 64}
+    for bad in ("qvk=1", "o=four", "o"):
+        with pytest.raises(ValueError, match="TINYVLLM_DECODE_KERNEL_ROWS"):
+            _override_decode_kernel_rows(table, bad)
