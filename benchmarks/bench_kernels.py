@@ -84,7 +84,7 @@ from tinyvllm.ops.fused_linear import (  # noqa: E402
     fused_norm_linear_triton,
     linear_argmax_triton,
 )
-from tinyvllm.ops.gemv import GemvConfig, gemv_triton  # noqa: E402
+from tinyvllm.ops.gemv import GemvConfig  # noqa: E402
 from tinyvllm.ops.gemv import gemv_config as gemv_tile_config  # noqa: E402
 from tinyvllm.ops.layernorm import (  # noqa: E402
     _launch_rms_norm,
@@ -1109,7 +1109,9 @@ def sweep_gemv_tiles(ceiling: float) -> None:
             config = gemv_tile_config(n // 2 if silu else n, k, silu, tile_elements=tile)._replace(num_warps=warps)
 
             def run(a: dict, w: torch.Tensor, config: GemvConfig = config, silu: bool = silu) -> object:
-                return gemv_triton(a["x"], w, a.get("residual"), a.get("norm_weight"), FUSED_EPS, silu, config)
+                if "norm_weight" in a:
+                    return fused_norm_linear_triton(a["x"], a["residual"], a["norm_weight"], FUSED_EPS, w, silu, config)
+                return fused_linear_triton(a["x"], w, config=config)
             us = time_fused(name, run, a, weights)
             rows.append((name, str(tile), str(warps), str(config.block_n), f"{us:.2f}",
                          f"{100 * n * k * 2 / us / 1e3 / ceiling:.0f}%"))

@@ -59,13 +59,13 @@ def test_forced_decode_kernels_match_the_separate_ops(checkpoint: str, monkeypat
                 module.weight.data = module.weight.data.contiguous()
     fused_linear_module = importlib.import_module("tinyvllm.ops.fused_linear")  # (ops.fused_linear is the op)
     gemv_calls: list[int] = []
-    real_gemv = fused_linear_module.gemv_triton
+    real_gemv = fused_linear_module.launch_gemv
 
     def counted_gemv(*args: Any, **kwargs: Any) -> Any:
         gemv_calls.append(1)
         return real_gemv(*args, **kwargs)
 
-    monkeypatch.setattr(fused_linear_module, "gemv_triton", counted_gemv)
+    monkeypatch.setattr(fused_linear_module, "launch_gemv", counted_gemv)
     plain_logits = our_logits(llm, PROMPT)
     plain_tokens = _greedy(llm)
     plain_others = [list(o.outputs[0].token_ids) for o in llm.generate([PROMPT[:3], PROMPT[1:]], GREEDY,

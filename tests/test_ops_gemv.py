@@ -6,6 +6,8 @@ rows. Outputs are poisoned with NaN, so an unwritten element fails."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ from tinyvllm.ops.fused_linear import (  # noqa: E402
     fused_norm_linear_ref,
     fused_norm_linear_triton,
 )
-from tinyvllm.ops.gemv import GEMV_MAX_ROWS, GemvConfig, gemv_applies, gemv_triton  # noqa: E402
+from tinyvllm.ops.gemv import GEMV_MAX_ROWS, GemvConfig  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")  # (conftest: unwritten outputs show as NaN)
 
@@ -36,9 +38,7 @@ def test_plain_product(m: int, block_n: int, k: int) -> None:
     """o_proj / down_proj; K = 64 fills the padded row exactly (the loads without a K mask)."""
     torch.manual_seed(m * 100 + block_n + k)
     x, w = torch.randn(m, k), torch.randn(N, k)
-    y, new_residual = gemv_triton(x, w, config=GemvConfig(block_n))
-    assert new_residual is None
-    _close(y, fused_linear_ref(x, w))
+    _close(fused_linear_triton(x, w, config=GemvConfig(block_n)), fused_linear_ref(x, w))
 
 
 @pytest.mark.parametrize("m", [1, 3])
@@ -46,7 +46,7 @@ def test_silu_and_mul_epilogue(m: int) -> None:
     """gate_up: gate rows n and up rows N + n of the merged weight; the output is [M, N]."""
     torch.manual_seed(m)
     x, w = torch.randn(m, K), torch.randn(2 * N, K)
-    y, _ = gemv_triton(x, w, silu_and_mul=True, config=GemvConfig(8))
+    y = fused_linear_triton(x, w, silu_and_mul=True, config=GemvConfig(8))
     assert y.shape == (m, N)
     _close(y, fused_linear_ref(x, w, silu_and_mul=True))
 
@@ -61,30 +61,43 @@ def test_norm_prologue(with_residual: bool, silu_and_mul: bool, m: int) -> None:
     x, norm_weight = torch.randn(m, K), 1 + 0.1 * torch.randn(K)
     residual = torch.randn(m, K) if with_residual else None
     w = torch.randn(2 * N if silu_and_mul else N, K)
-    y, new_residual = gemv_triton(x, w, residual, norm_weight, EPS, silu_and_mul, GemvConfig(8))
+    y, new_residual = fused_norm_linear_triton(x, residual, norm_weight, EPS, w, silu_and_mul, GemvConfig(8))
     ref, ref_residual = fused_norm_linear_ref(x, residual, norm_weight, EPS, w, silu_and_mul)
     _close(y, ref)
     if with_residual:
         _close(new_residual, ref_residual)
     else:
-        assert new_residual is None
+        assert new_residual is x
 
 
-def test_fused_linear_entry_points_pick_it() -> None:
+def test_fused_linear_entry_points_pick_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """fused_linear and fused_norm_linear run the GEMV for output-major weights and up to GEMV_MAX_ROWS rows (the
-    tiled kernel otherwise), with the same results as the references either way."""
+    tiled kernel otherwise: more rows, or input-major weights), with the same results as the references either
+    way."""
+    import importlib
+
+    fused_linear_module = importlib.import_module("tinyvllm.ops.fused_linear")  # (ops.fused_linear is the op)
+    launches: list[int] = []
+    real_launch = fused_linear_module.launch_gemv
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        launches.append(1)
+        return real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(fused_linear_module, "launch_gemv", counted)
     torch.manual_seed(0)
-    w = torch.randn(N, K)
-    assert gemv_applies(torch.randn(1, K), w) and gemv_applies(torch.randn(GEMV_MAX_ROWS, K), w)
-    assert not gemv_applies(torch.randn(GEMV_MAX_ROWS + 1, K), w)
-    assert not gemv_applies(torch.randn(1, K), w.t().contiguous().t())  # input-major: the tiled kernel
-    for m in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1):
+    output_major = torch.randn(N, K)
+    input_major = output_major.t().contiguous().t()
+    for m, w, gemv in ((1, output_major, True), (GEMV_MAX_ROWS, output_major, True),
+                       (GEMV_MAX_ROWS + 1, output_major, False), (1, input_major, False)):
+        launches.clear()
         x, residual, norm_weight = torch.randn(m, K), torch.randn(m, K), 1 + 0.1 * torch.randn(K)
         _close(fused_linear_triton(x, w), fused_linear_ref(x, w))
         y, new_residual = fused_norm_linear_triton(x, residual, norm_weight, EPS, w)
         ref, ref_residual = fused_norm_linear_ref(x, residual, norm_weight, EPS, w)
         _close(y, ref)
         _close(new_residual, ref_residual)
+        assert len(launches) == (2 if gemv else 0), (m, w.stride())
 
 
 def test_decode_kernel_rows_override() -> None:

@@ -12,6 +12,10 @@ fused into the same launch:
   and the last program to arrive unpacks them into token ids: no logits are written.
 - `fused_linear`: the plain product (o_proj, down_proj), as linear.py's kernel, with the early weight loads below.
 
+Up to gemv.GEMV_MAX_ROWS rows of an output-major weight, the same entry points launch gemv.py's GEMV instead (one
+program per few whole rows of W, every weight loaded before the PDL wait): at batch 1 it beat cuBLAS where this
+tiled kernel lost (benchmarks/RESULTS.md).
+
 Tiles and split-K are linear.py's (skinny_matmul_config; the split partials summed in the launch by the last
 program of each tile, in split order). With programmatic dependent launch (ops/pdl.py) each program loads its
 first weight tile before it waits for the kernel before: weights never depend on it, so their stream starts while
@@ -32,7 +36,7 @@ except ImportError:  # the CPU engine imports the references on machines without
     triton = None
 
 from tinyvllm.ops.activation import silu_and_mul_ref
-from tinyvllm.ops.gemv import gemv_applies, gemv_triton
+from tinyvllm.ops.gemv import GEMV_MAX_ROWS, GemvConfig, launch_gemv
 from tinyvllm.ops.layernorm import fused_add_rms_norm_ref, rms_norm_ref
 from tinyvllm.ops.linear import SkinnyConfig, _counters, _num_sms, _weight_layout, skinny_matmul_config
 from tinyvllm.ops.pdl import pdl_options, pdl_wait
@@ -279,10 +283,12 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def _launch(
     x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu_and_mul: bool = False, argmax: bool = False,
-    config: SkinnyConfig | None = None,
+    config: SkinnyConfig | GemvConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y, new residual or None) of one fused product. y: [M, N] (silu_and_mul: [M, N / 2]; argmax: int64 [M]).
-    `config` overrides the tiles and split (the tests and the benchmark); its block_n counts output columns."""
+    Up to GEMV_MAX_ROWS rows of an output-major weight (but the LM head's argmax) run on gemv.py's kernel, the
+    rest on the tiled one here. `config` overrides the choice, the tiles and the split (the tests and the
+    benchmark): a GemvConfig takes the GEMV; a SkinnyConfig's block_n counts output columns."""
     k = x.shape[-1]
     n_weight = weight.shape[0]
     assert weight.shape[1] == k and weight.dtype == x.dtype, (x.shape, x.dtype, weight.shape, weight.dtype)
@@ -299,6 +305,10 @@ def _launch(
     if m == 0 or n == 0:
         return out, new_residual
     weight, k_contiguous, stride_w = _weight_layout(weight)
+    if isinstance(config, GemvConfig) or (config is None and not argmax and k_contiguous and m <= GEMV_MAX_ROWS):
+        assert k_contiguous and not argmax, "the GEMV takes output-major weights, and no argmax"
+        launch_gemv(out, x2, weight, stride_w, res2, new_residual, norm_weight, eps, silu_and_mul, config)
+        return out, new_residual
     if config is None:
         # silu_and_mul: the grid of the whole [M, 2I] product, each program's columns half gate, half up
         config = skinny_matmul_config(m, n_weight, k, k_contiguous, _num_sms(x.device))
@@ -335,27 +345,21 @@ def _launch(
 
 
 def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, silu_and_mul: bool = False,
-                        config: SkinnyConfig | None = None) -> torch.Tensor:
+                        config: SkinnyConfig | GemvConfig | None = None) -> torch.Tensor:
     """The Triton kernel of fused_linear_ref: x [..., K], weight [N, K] in either layout the engine stores (a few
     rows and an output-major weight: gemv.py's kernel)."""
-    if config is None and gemv_applies(x, weight):
-        y, _ = gemv_triton(x, weight, silu_and_mul=silu_and_mul)
-    else:
-        y, _ = _launch(x, weight, silu_and_mul=silu_and_mul, config=config)
+    y, _ = _launch(x, weight, silu_and_mul=silu_and_mul, config=config)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def fused_norm_linear_triton(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    silu_and_mul: bool = False, config: SkinnyConfig | None = None,
+    silu_and_mul: bool = False, config: SkinnyConfig | GemvConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel of fused_norm_linear_ref: one launch reads x and residual, writes the product and the
     new residual stream (a few rows and an output-major weight: gemv.py's kernel)."""
-    if config is None and gemv_applies(x, weight):
-        y, new_residual = gemv_triton(x, weight, residual, norm_weight, eps, silu_and_mul)
-    else:
-        y, new_residual = _launch(x, weight, residual=residual, norm_weight=norm_weight, eps=eps,
-                                  silu_and_mul=silu_and_mul, config=config)
+    y, new_residual = _launch(x, weight, residual=residual, norm_weight=norm_weight, eps=eps,
+                              silu_and_mul=silu_and_mul, config=config)
     new_residual = x if new_residual is None else new_residual.reshape(x.shape)
     return y.reshape(*x.shape[:-1], y.shape[-1]), new_residual
 

@@ -1,7 +1,8 @@
 """Decode products of a few rows (batch-1 decode) as GEMVs that fetch their weights before the kernel before them
 has finished: y = x @ W^T for x [M, K] with M up to GEMV_MAX_ROWS, W [N, K] stored output-major (rows of K
 contiguous), optionally with the residual add and RMSNorm before the product and SiLU·mul after it, as
-fused_linear.py's references define them (fused_linear_ref, fused_norm_linear_ref).
+fused_linear.py's references define them (fused_linear_ref, fused_norm_linear_ref). fused_linear.py's entry points
+launch it (launch_gemv) for those row counts and that layout, or when handed a GemvConfig.
 
 Why: at batch 1 a decoder layer's four products read 120 MB of weights, a few microseconds of HBM time each,
 and cuBLAS runs them as separate launches that each pay a ramp-up and a tail with HBM idle. Weights never
@@ -52,18 +53,12 @@ def gemv_config(n: int, k: int, silu_and_mul: bool = False, element_size: int = 
     return GemvConfig(block_n)
 
 
-def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The GEMV takes x [M, K] (M up to GEMV_MAX_ROWS) and weight [N, K] stored output-major."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return 0 < rows <= GEMV_MAX_ROWS and weight.stride(1) == 1 and weight.stride(0) == weight.shape[1]
-
-
 if triton is not None:
 
     @triton.jit(do_not_specialize=["M"])
     def _gemv_kernel(
         y_ptr, x_ptr, w_ptr, residual_ptr, new_residual_ptr, norm_weight_ptr,
-        M, N, K, stride_x, stride_r, stride_nr, stride_y, eps,
+        M, N, K, stride_x, stride_r, stride_nr, stride_y, stride_w, eps,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
         SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
     ):
@@ -74,13 +69,13 @@ if triton is not None:
         if EVEN_K:  # (no mask along K: the loads are vectorized)
             k_mask = offs_k < BLOCK_K
         w_mask = (offs_n[:, None] < N) & k_mask[None, :]
-        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
+        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
         # The weights first: they do not depend on the kernel before, so their loads are in flight while it
         # finishes (streamed once: evict them first, keep x and the residual in L2).
         w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
         w_up = w
         if SILU_MUL:
-            w_up = tl.load(w_ptrs + N * K, mask=w_mask, other=0.0, eviction_policy="evict_first")
+            w_up = tl.load(w_ptrs + N * stride_w, mask=w_mask, other=0.0, eviction_policy="evict_first")
         pdl_wait(USE_PDL)
 
         norm_weight = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -106,32 +101,20 @@ if triton is not None:
             tl.store(y_ptr + m * stride_y + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < N)
 
 
-def gemv_triton(
-    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
-    norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu_and_mul: bool = False,
-    config: GemvConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(y, new residual or None): y [M, N] (silu_and_mul: [M, N / 2]) for x [M, K] and weight [N, K] output-major
-    (gemv_applies); with norm_weight, rms_norm(x + residual) is what multiplies W, and x + residual (x alone
-    without a residual) is the residual stream the next layer adds to."""
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m, n_weight = x2.shape[0], weight.shape[0]
-    assert weight.shape[1] == k and weight.dtype == x.dtype and gemv_applies(x2, weight), (x.shape, weight.stride())
-    n = n_weight // 2 if silu_and_mul else n_weight
-    norm = norm_weight is not None
-    res2 = residual.reshape(-1, k) if residual is not None else x2
-    new_residual = torch.empty_like(res2) if residual is not None else None
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+def launch_gemv(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, stride_w: int, residual: torch.Tensor,
+                new_residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float, silu_and_mul: bool,
+                config: GemvConfig | None = None) -> None:
+    """Write y [M, N] (silu_and_mul: N = half of W's rows) for x [M, K] (rows contiguous) and W[n, k] at
+    n * stride_w + k; with norm_weight, rms_norm(x + residual) multiplies W and, with new_residual, x + residual
+    goes there (fused_linear._launch allocates the outputs and passes x as the residual when there is none)."""
+    m, k = x.shape
+    n = y.shape[1]
     config = config or gemv_config(n, k, silu_and_mul, x.element_size())
-    nres = new_residual if new_residual is not None else x2
     block_k = triton.next_power_of_2(k)
+    nres = new_residual if new_residual is not None else x
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        y, x2, weight, res2, nres, norm_weight if norm else x2,
-        m, n, k, x2.stride(0), res2.stride(0), nres.stride(0), y.stride(0), eps,
-        BLOCK_N=config.block_n, BLOCK_K=block_k, NORM=norm, HAS_RESIDUAL=residual is not None,
-        SILU_MUL=silu_and_mul, EVEN_K=k == block_k, num_warps=config.num_warps, num_stages=1, **pdl_options(x2),
+        y, x, weight, residual, nres, norm_weight if norm_weight is not None else x,
+        m, n, k, x.stride(0), residual.stride(0), nres.stride(0), y.stride(0), stride_w, eps,
+        BLOCK_N=config.block_n, BLOCK_K=block_k, NORM=norm_weight is not None, HAS_RESIDUAL=new_residual is not None,
+        SILU_MUL=silu_and_mul, EVEN_K=k == block_k, num_warps=config.num_warps, num_stages=1, **pdl_options(x),
     )
-    return y, new_residual
