@@ -110,3 +110,52 @@ def test_decode_kernel_rows_override() -> None:
     for bad in ("qvk=1", "o=four", "o"):
         with pytest.raises(ValueError, match="TINYVLLM_DECODE_KERNEL_ROWS"):
             _override_decode_kernel_rows(table, bad)
+
+
+def _rope_case(m: int, seed: int) -> tuple[Any, ...]:
+    """A qkv product of 4 q heads and 2 KV heads of dim 8 (K = 48), a cache of 3 blocks of 4 slots with random
+    contents, and slots that include -1 (a padding row: nothing stored)."""
+    from tinyvllm.ops.rotary import RopeStore, build_cos_sin_cache
+
+    torch.manual_seed(seed)
+    q_heads, kv_heads, head_dim = 4, 2, 8
+    x, residual, norm_weight = torch.randn(m, K), torch.randn(m, K), 1 + 0.1 * torch.randn(K)
+    w = torch.randn((q_heads + 2 * kv_heads) * head_dim, K)
+    caches = torch.randn(2, 3, 4, kv_heads, head_dim)
+    slots = torch.tensor([5, -1, 11, 2][:m])
+    positions = torch.tensor([17, 3, 250, 0][:m])
+    cos_sin = build_cos_sin_cache(head_dim, 256, 10000.0, None, torch.device("cpu"))
+    rope = RopeStore(positions, cos_sin, caches[0], caches[1], slots, q_heads, kv_heads)
+    return x, residual, norm_weight, w, caches, rope
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("block_n", [1, 4, 32])
+def test_rope_store_epilogue(m: int, block_n: int) -> None:
+    """qkv with the rotary embedding and the KV-cache store in its epilogue (block_n counts pairs of a head's
+    halves; 32 pairs run past the 24 there are): y holds q rotated and k, v as the product gives them, and the
+    cache gets the rotated k and v at each slot but -1, as norm, product and rotary.py's kernel one after the
+    other give them."""
+    x, residual, norm_weight, w, caches, rope = _rope_case(m, seed=m * 10 + block_n)
+    ref_caches = caches.clone()
+    ref, ref_residual = fused_norm_linear_ref(x, residual, norm_weight, EPS, w,
+                                              rope=rope._replace(k_cache=ref_caches[0], v_cache=ref_caches[1]))
+    y, new_residual = fused_norm_linear_triton(x, residual, norm_weight, EPS, w, config=GemvConfig(block_n), rope=rope)
+    _close(y, ref)
+    _close(new_residual, ref_residual)
+    _close(caches, ref_caches)
+    assert not torch.equal(ref[:, :32], fused_norm_linear_ref(x, residual, norm_weight, EPS, w)[0][:, :32])
+
+
+def test_rope_store_without_the_gemv() -> None:
+    """On the tiled kernel (more rows than the GEMV takes, or a config that asks for it) rotary.py's kernel does the
+    epilogue's work after the product: the same contract."""
+    from tinyvllm.ops.linear import SkinnyConfig
+
+    x, residual, norm_weight, w, caches, rope = _rope_case(2, seed=7)
+    ref_caches = caches.clone()
+    ref, _ = fused_norm_linear_ref(x, residual, norm_weight, EPS, w,
+                                   rope=rope._replace(k_cache=ref_caches[0], v_cache=ref_caches[1]))
+    y, _ = fused_norm_linear_triton(x, residual, norm_weight, EPS, w, config=SkinnyConfig(16, 16, 16, 1), rope=rope)
+    _close(y, ref)
+    _close(caches, ref_caches)

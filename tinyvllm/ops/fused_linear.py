@@ -40,6 +40,7 @@ from tinyvllm.ops.gemv import GEMV_MAX_ROWS, GemvConfig, launch_gemv
 from tinyvllm.ops.layernorm import fused_add_rms_norm_ref, rms_norm_ref
 from tinyvllm.ops.linear import SkinnyConfig, _counters, _num_sms, _weight_layout, skinny_matmul_config
 from tinyvllm.ops.pdl import pdl_options, pdl_wait
+from tinyvllm.ops.rotary import RopeStore, rope_store_ref, rope_store_triton
 
 _EMPTY_KEY = -(2**63 - 1)  # below every packed (value, index) key: what the argmax keys hold between launches
 _NORM_ELEMENTS = 4096  # elements of x per step of the prologue's sum of squares (BLOCK_M rows x NORM_BLOCK)
@@ -57,15 +58,17 @@ def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, silu_and_mul: bool =
 
 def fused_norm_linear_ref(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    silu_and_mul: bool = False,
+    silu_and_mul: bool = False, rope: RopeStore | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(fused_linear(rms_norm(x + residual)), x + residual): the norm and the product as the model runs them one
-    after the other, each rounded to x's dtype. Without a residual (the first layer) the stream is x itself."""
+    after the other, each rounded to x's dtype. Without a residual (the first layer) the stream is x itself. With
+    rope (qkv_proj): then rotary.rope_store_ref, which rotates q in the product and stores k and v in the cache."""
     if residual is None:
         normed, new_residual = rms_norm_ref(x, norm_weight, eps), x
     else:
         normed, new_residual = fused_add_rms_norm_ref(x, residual, norm_weight, eps)
-    return fused_linear_ref(normed, weight, silu_and_mul), new_residual
+    y = fused_linear_ref(normed, weight, silu_and_mul)
+    return (y if rope is None else rope_store_ref(y, rope)), new_residual
 
 
 def linear_argmax_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -283,12 +286,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def _launch(
     x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu_and_mul: bool = False, argmax: bool = False,
-    config: SkinnyConfig | GemvConfig | None = None,
+    config: SkinnyConfig | GemvConfig | None = None, rope: RopeStore | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y, new residual or None) of one fused product. y: [M, N] (silu_and_mul: [M, N / 2]; argmax: int64 [M]).
     Up to GEMV_MAX_ROWS rows of an output-major weight (but the LM head's argmax) run on gemv.py's kernel, the
     rest on the tiled one here. `config` overrides the choice, the tiles and the split (the tests and the
-    benchmark): a GemvConfig takes the GEMV; a SkinnyConfig's block_n counts output columns."""
+    benchmark): a GemvConfig takes the GEMV; a SkinnyConfig's block_n counts output columns. rope (a qkv
+    product): the GEMV's epilogue rotates q and stores k and v; the tiled kernel leaves that to rotary.py's."""
     k = x.shape[-1]
     n_weight = weight.shape[0]
     assert weight.shape[1] == k and weight.dtype == x.dtype, (x.shape, x.dtype, weight.shape, weight.dtype)
@@ -307,7 +311,7 @@ def _launch(
     weight, k_contiguous, stride_w = _weight_layout(weight)
     if isinstance(config, GemvConfig) or (config is None and not argmax and k_contiguous and m <= GEMV_MAX_ROWS):
         assert k_contiguous and not argmax, "the GEMV takes output-major weights, and no argmax"
-        launch_gemv(out, x2, weight, stride_w, res2, new_residual, norm_weight, eps, silu_and_mul, config)
+        launch_gemv(out, x2, weight, stride_w, res2, new_residual, norm_weight, eps, silu_and_mul, config, rope)
         return out, new_residual
     if config is None:
         # silu_and_mul: the grid of the whole [M, 2I] product, each program's columns half gate, half up
@@ -341,6 +345,8 @@ def _launch(
         SILU_MUL=silu_and_mul, ARGMAX=argmax, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(x2),
     )
+    if rope is not None:
+        rope_store_triton(out, rope)
     return out, new_residual
 
 
@@ -354,12 +360,13 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, silu_and_mul: boo
 
 def fused_norm_linear_triton(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    silu_and_mul: bool = False, config: SkinnyConfig | GemvConfig | None = None,
+    silu_and_mul: bool = False, config: SkinnyConfig | GemvConfig | None = None, rope: RopeStore | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel of fused_norm_linear_ref: one launch reads x and residual, writes the product and the
-    new residual stream (a few rows and an output-major weight: gemv.py's kernel)."""
+    new residual stream (a few rows and an output-major weight: gemv.py's kernel, which with rope also rotates q
+    and stores k and v)."""
     y, new_residual = _launch(x, weight, residual=residual, norm_weight=norm_weight, eps=eps,
-                              silu_and_mul=silu_and_mul, config=config)
+                              silu_and_mul=silu_and_mul, config=config, rope=rope)
     new_residual = x if new_residual is None else new_residual.reshape(x.shape)
     return y.reshape(*x.shape[:-1], y.shape[-1]), new_residual
 

@@ -33,6 +33,7 @@ except ImportError:  # the CPU engine imports the references on machines without
     triton = None
 
 from tinyvllm.ops.pdl import pdl_options, pdl_wait
+from tinyvllm.ops.rotary import RopeStore
 
 GEMV_MAX_ROWS = 4  # rows (tokens) a GEMV takes; more go to the tiled kernels or cuBLAS
 _TILE_BYTES = 16384  # weight bytes per program (32 registers a thread at 4 warps): the fastest tile at M = 1
@@ -58,24 +59,38 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M"])
     def _gemv_kernel(
         y_ptr, x_ptr, w_ptr, residual_ptr, new_residual_ptr, norm_weight_ptr,
+        positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
         M, N, K, stride_x, stride_r, stride_nr, stride_y, stride_w, eps,
+        stride_cs, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, block_size, num_q_heads,
+        num_kv_heads,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-        SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+        SILU_MUL: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, EVEN_K: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        rows = offs_n  # the rows of W this program reads (SILU_MUL, ROPE: and their partners, rows_2)
+        rows_2 = offs_n + N  # SILU_MUL: up row N + n of gate row n
+        if ROPE:  # offs_n counts pairs (x1, x2) of a head's halves: rows head * 2 HALF + j and that + HALF
+            head = offs_n // HALF
+            j = offs_n % HALF
+            rows = head * (2 * HALF) + j
+            rows_2 = rows + HALF
+            n_mask = offs_n < N // 2
         offs_k = tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         if EVEN_K:  # (no mask along K: the loads are vectorized)
             k_mask = offs_k < BLOCK_K
-        w_mask = (offs_n[:, None] < N) & k_mask[None, :]
-        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
+        w_mask = n_mask[:, None] & k_mask[None, :]
         # The weights first: they do not depend on the kernel before, so their loads are in flight while it
         # finishes (streamed once: evict them first, keep x and the residual in L2).
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
-        w_up = w
-        if SILU_MUL:
-            w_up = tl.load(w_ptrs + N * stride_w, mask=w_mask, other=0.0, eviction_policy="evict_first")
+        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_w + offs_k[None, :], mask=w_mask, other=0.0,
+                    eviction_policy="evict_first")
+        w_2 = w
+        if SILU_MUL or ROPE:
+            w_2 = tl.load(w_ptr + rows_2.to(tl.int64)[:, None] * stride_w + offs_k[None, :], mask=w_mask,
+                          other=0.0, eviction_policy="evict_first")
         pdl_wait(USE_PDL)
 
         norm_weight = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -96,25 +111,79 @@ if triton is not None:
             acc = tl.sum(w.to(tl.float32) * a, axis=1)
             if SILU_MUL:
                 gate = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
-                up = tl.sum(w_up.to(tl.float32) * a, axis=1).to(y_ptr.dtype.element_ty).to(tl.float32)
+                up = tl.sum(w_2.to(tl.float32) * a, axis=1).to(y_ptr.dtype.element_ty).to(tl.float32)
                 acc = gate / (1.0 + tl.exp(-gate)) * up
-            tl.store(y_ptr + m * stride_y + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+            if ROPE:
+                _rope_store(y_ptr + m * stride_y, acc, tl.sum(w_2.to(tl.float32) * a, axis=1), rows, rows_2, head,
+                            j, n_mask, tl.load(positions_ptr + m).to(tl.int64), tl.load(slot_ptr + m).to(tl.int64),
+                            cos_sin_ptr, k_cache_ptr, v_cache_ptr, stride_cs, stride_kb, stride_ks, stride_kh,
+                            stride_vb, stride_vs, stride_vh, block_size, num_q_heads, num_kv_heads, HALF)
+            else:
+                tl.store(y_ptr + m * stride_y + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+    @triton.jit
+    def _rope_store(y_row, acc_1, acc_2, rows, rows_2, head, j, mask, position, slot, cos_sin_ptr, k_cache_ptr,
+                    v_cache_ptr, stride_cs, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    block_size, num_q_heads, num_kv_heads, HALF: tl.constexpr):
+        """One row's qkv outputs x1 = acc_1 (rows: the first halves of heads), x2 = acc_2 (rows_2: the second
+        halves), as rotary.py's kernel treats a qkv product: rounded, then q and k heads rotated in float32 at
+        `position`; y gets q rotated and k, v as they are, and for slot >= 0 the cache gets the rotated k and v."""
+        x1 = acc_1.to(y_row.dtype.element_ty)
+        x2 = acc_2.to(y_row.dtype.element_ty)
+        cos = tl.load(cos_sin_ptr + position * stride_cs + j, mask=mask, other=1.0)
+        sin = tl.load(cos_sin_ptr + position * stride_cs + HALF + j, mask=mask, other=0.0)
+        rotate = head < num_q_heads + num_kv_heads  # (q and k; v is not rotated)
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        r1 = tl.where(rotate, f1 * cos - f2 * sin, f1).to(y_row.dtype.element_ty)
+        r2 = tl.where(rotate, f2 * cos + f1 * sin, f2).to(y_row.dtype.element_ty)
+        is_q = head < num_q_heads
+        tl.store(y_row + rows, tl.where(is_q, r1, x1), mask=mask)
+        tl.store(y_row + rows_2, tl.where(is_q, r2, x2), mask=mask)
+        if slot >= 0:
+            block, offset = slot // block_size, slot % block_size
+            kv_head = head - num_q_heads
+            is_k = mask & (kv_head >= 0) & (kv_head < num_kv_heads)
+            k_dst = k_cache_ptr + block * stride_kb + offset * stride_ks + kv_head * stride_kh + j
+            tl.store(k_dst, r1.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+            tl.store(k_dst + HALF, r2.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+            v_head = kv_head - num_kv_heads
+            is_v = mask & (v_head >= 0)
+            v_dst = v_cache_ptr + block * stride_vb + offset * stride_vs + v_head * stride_vh + j
+            tl.store(v_dst, x1.to(v_cache_ptr.dtype.element_ty), mask=is_v)
+            tl.store(v_dst + HALF, x2.to(v_cache_ptr.dtype.element_ty), mask=is_v)
 
 
 def launch_gemv(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, stride_w: int, residual: torch.Tensor,
                 new_residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float, silu_and_mul: bool,
-                config: GemvConfig | None = None) -> None:
+                config: GemvConfig | None = None, rope: RopeStore | None = None) -> None:
     """Write y [M, N] (silu_and_mul: N = half of W's rows) for x [M, K] (rows contiguous) and W[n, k] at
     n * stride_w + k; with norm_weight, rms_norm(x + residual) multiplies W and, with new_residual, x + residual
-    goes there (fused_linear._launch allocates the outputs and passes x as the residual when there is none)."""
+    goes there (fused_linear._launch allocates the outputs and passes x as the residual when there is none); with
+    rope (y a qkv product), q rotated in y and k, v into the cache, as rotary.rope_store_ref does."""
     m, k = x.shape
     n = y.shape[1]
-    config = config or gemv_config(n, k, silu_and_mul, x.element_size())
+    config = config or gemv_config(n, k, silu_and_mul or rope is not None, x.element_size())
     block_k = triton.next_power_of_2(k)
     nres = new_residual if new_residual is not None else x
-    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        y, x, weight, residual, nres, norm_weight if norm_weight is not None else x,
-        m, n, k, x.stride(0), residual.stride(0), nres.stride(0), y.stride(0), stride_w, eps,
+    if rope is None:
+        programs = triton.cdiv(n, config.block_n)
+        tensors, strides, half = (x,) * 5, (0,) * 7, 1
+        block_size = num_q_heads = num_kv_heads = 0
+    else:
+        kc, vc = rope.k_cache, rope.v_cache
+        half = kc.shape[-1] // 2
+        assert n == (rope.num_q_heads + 2 * rope.num_kv_heads) * 2 * half and half & (half - 1) == 0, (n, half)
+        assert kc.stride(-1) == vc.stride(-1) == rope.cos_sin_cache.stride(-1) == 1
+        programs = triton.cdiv(n // 2, config.block_n)  # (block_n counts pairs of a head's halves)
+        tensors = (rope.positions, rope.cos_sin_cache, kc, vc, rope.slot_mapping)
+        strides = (rope.cos_sin_cache.stride(0), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0),
+                   vc.stride(1), vc.stride(2))
+        block_size, num_q_heads, num_kv_heads = kc.shape[1], rope.num_q_heads, rope.num_kv_heads
+    _gemv_kernel[(programs,)](
+        y, x, weight, residual, nres, norm_weight if norm_weight is not None else x, *tensors,
+        m, n, k, x.stride(0), residual.stride(0), nres.stride(0), y.stride(0), stride_w, eps, *strides,
+        block_size, num_q_heads, num_kv_heads,
         BLOCK_N=config.block_n, BLOCK_K=block_k, NORM=norm_weight is not None, HAS_RESIDUAL=new_residual is not None,
-        SILU_MUL=silu_and_mul, EVEN_K=k == block_k, num_warps=config.num_warps, num_stages=1, **pdl_options(x),
+        SILU_MUL=silu_and_mul, ROPE=rope is not None, HALF=half, EVEN_K=k == block_k, num_warps=config.num_warps,
+        num_stages=1, **pdl_options(x),
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -80,6 +80,44 @@ def rotary_embedding_and_store_ref(positions: torch.Tensor, q: torch.Tensor, k: 
     q, k = rotary_embedding_ref(positions, q, k, cos_sin_cache)
     store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
     return q
+
+
+class RopeStore(NamedTuple):
+    """What follows a qkv product in a decoder layer, for a kernel that does it in the product's epilogue
+    (gemv.py): the rotary embedding of q and k at `positions`, and k and v stored at their cache slots."""
+
+    positions: torch.Tensor  # [T]
+    cos_sin_cache: torch.Tensor  # build_cos_sin_cache's
+    k_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # [T], -1: store nothing
+    num_q_heads: int
+    num_kv_heads: int
+
+
+def _qkv_heads(qkv: torch.Tensor, rope: RopeStore) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [T, heads, D]: views of a qkv product's columns."""
+    head_dim = rope.k_cache.shape[-1]
+    sizes = [rope.num_q_heads * head_dim, rope.num_kv_heads * head_dim, rope.num_kv_heads * head_dim]
+    q, k, v = qkv.split(sizes, dim=-1)
+    return tuple(t.view(qkv.shape[0], -1, head_dim) for t in (q, k, v))  # type: ignore[return-value]
+
+
+def rope_store_ref(qkv: torch.Tensor, rope: RopeStore) -> torch.Tensor:
+    """rotary_embedding_and_store_ref on the q, k and v columns of qkv [T, (Hq + 2 Hk) * D], with the rotated q
+    written back in place (as the Triton kernel rotates it): qkv holds q rotated, and k and v as they were."""
+    q, k, v = _qkv_heads(qkv, rope)
+    q.copy_(rotary_embedding_and_store_ref(rope.positions, q, k, v, rope.cos_sin_cache, rope.k_cache, rope.v_cache,
+                                           rope.slot_mapping))
+    return qkv
+
+
+def rope_store_triton(qkv: torch.Tensor, rope: RopeStore) -> torch.Tensor:
+    """rope_store_ref through rotary_embedding_and_store_triton (for a qkv product whose kernel did not do it)."""
+    q, k, v = _qkv_heads(qkv, rope)
+    rotary_embedding_and_store_triton(rope.positions, q, k, v, rope.cos_sin_cache, rope.k_cache, rope.v_cache,
+                                      rope.slot_mapping)
+    return qkv
 
 
 if triton is not None:
