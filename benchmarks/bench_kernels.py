@@ -102,7 +102,9 @@ from tinyvllm.ops.linear import (  # noqa: E402
 )
 from tinyvllm.ops.pdl import pdl_options, pdl_wait  # noqa: E402
 from tinyvllm.ops.rotary import (  # noqa: E402
+    RopeStore,
     build_cos_sin_cache,
+    rope_store_triton,
     rotary_embedding_and_store_ref,
     rotary_embedding_and_store_triton,
 )
@@ -935,13 +937,28 @@ FUSED_EPS = 1e-5
 
 
 def fused_inputs(name: str, m: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-    """x [M, K] (and for the norm products the residual and the norm's weight), as the layer passes them."""
+    """x [M, K] (and for the norm products the residual and the norm's weight; for qkv what its RoPE and KV-cache
+    store need: positions, the cos/sin cache, K and V caches of 64 blocks, the rows' slots), as the layer passes
+    them."""
     n, k = GEMV_SHAPES[name]
     inputs = {"x": torch.randn(m, k, device=DEVICE, dtype=DTYPE, generator=generator)}
     if name in ("qkv", "gate_up"):
         inputs["residual"] = torch.randn(m, k, device=DEVICE, dtype=DTYPE, generator=generator)
         inputs["norm_weight"] = 1 + 0.1 * torch.randn(k, device=DEVICE, dtype=DTYPE, generator=generator)
+    if name == "qkv":
+        inputs["positions"] = torch.randint(0, 4096, (m,), device=DEVICE, generator=generator)
+        inputs["cos_sin"] = build_cos_sin_cache(HEAD_DIM, 4096, 500000.0, None, DEVICE)
+        caches = torch.randn(2, 64, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE, generator=generator)
+        inputs["k_cache"], inputs["v_cache"] = caches[0], caches[1]
+        inputs["slots"] = torch.randperm(64 * BLOCK_SIZE, device=DEVICE, generator=generator)[:m]
     return inputs
+
+
+def fused_rope(a: dict[str, torch.Tensor]) -> RopeStore | None:
+    """qkv's RoPE and KV-cache store (fused_inputs), or None for the other products."""
+    if "positions" not in a:
+        return None
+    return RopeStore(a["positions"], a["cos_sin"], a["k_cache"], a["v_cache"], a["slots"], NUM_Q_HEADS, NUM_KV_HEADS)
 
 
 def fused_ours(name: str) -> Callable[[dict[str, torch.Tensor], torch.Tensor], object]:
@@ -950,7 +967,7 @@ def fused_ours(name: str) -> Callable[[dict[str, torch.Tensor], torch.Tensor], o
         return lambda a, w: linear_argmax_triton(a["x"], w)
     if name in ("qkv", "gate_up"):
         return lambda a, w: fused_norm_linear_triton(a["x"], a["residual"], a["norm_weight"], FUSED_EPS, w,
-                                                     name == "gate_up")
+                                                     name == "gate_up", rope=fused_rope(a))
     return lambda a, w: fused_linear_triton(a["x"], w)
 
 
@@ -974,7 +991,9 @@ def fused_peer(name: str) -> Callable[[dict[str, torch.Tensor], torch.Tensor], o
         def norm_then_product(a: dict[str, torch.Tensor], w: torch.Tensor) -> object:
             normed, residual = fused_add_rms_norm_triton(a["x"], a["residual"], a["norm_weight"], FUSED_EPS)
             y = F.linear(normed, w)
-            return (silu_and_mul_triton(y) if name == "gate_up" else y), residual
+            if name == "gate_up":
+                return silu_and_mul_triton(y), residual
+            return rope_store_triton(y, fused_rope(a)), residual
         return norm_then_product
     return lambda a, w: F.linear(a["x"], w)
 
@@ -1016,9 +1035,17 @@ def fused_check() -> bool:
                 text = f"M={m} {agree}/{m} tokens = argmax, largest gap {gap:.1e}"
             else:
                 if name in ("qkv", "gate_up"):
+                    rope = fused_rope(a)
+                    if rope is not None:  # (float32 caches of the reference's own)
+                        rope = rope._replace(k_cache=a["k_cache"].float(), v_cache=a["v_cache"].float())
                     ref, ref_residual = fused_norm_linear_ref(a32["x"], a32["residual"], a32["norm_weight"],
-                                                              FUSED_EPS, w.float(), name == "gate_up")
+                                                              FUSED_EPS, w.float(), name == "gate_up", rope=rope)
                     residual_error = _relative_error(out[1], ref_residual.double())
+                    if rope is not None:  # the rows the step stored, ours against the reference's
+                        slots = a["slots"]
+                        ours_kv = torch.stack([a["k_cache"], a["v_cache"]]).flatten(1, 2)[:, slots]
+                        ref_kv = torch.stack([rope.k_cache, rope.v_cache]).flatten(1, 2)[:, slots]
+                        residual_error = max(residual_error, _relative_error(ours_kv, ref_kv.double()))
                     peer_out = peer(a, w)[0]
                 else:
                     ref, residual_error = fused_linear_ref(a32["x"], w.float()), 0.0
@@ -1026,7 +1053,8 @@ def fused_check() -> bool:
                 error = _relative_error(first, ref.double())
                 peer_error = _relative_error(peer_out, ref.double())
                 good = math.isfinite(error) and error < 1e-2 and residual_error < 1e-2
-                text = f"M={m} {error:.1e} (peer {peer_error:.1e})"
+                text = f"M={m} {error:.1e} (peer {peer_error:.1e}; residual{', KV' if name == 'qkv' else ''} " \
+                       f"{residual_error:.1e})"
             good = good and same
             ok &= good
             lines.append(text + ("" if same else " NOT REPRODUCIBLE") + ("" if good else " FAIL"))
@@ -1083,7 +1111,8 @@ def bench_fused(ceiling: float) -> None:
         torch.cuda.empty_cache()
     print(f"\n## Fused decode kernels vs the unfused step, bf16, {GEMV_WEIGHTS} weights per shape in a CUDA graph "
           f"(GB/s of weight read; copy ceiling {ceiling:.0f} GB/s)")
-    print("peers: qkv = fused_add_rms_norm + cuBLAS; gate_up = fused_add_rms_norm + cuBLAS + silu_and_mul; o, down = "
+    print("peers: qkv = fused_add_rms_norm + cuBLAS + RoPE and KV store (ours: with them); "
+          "gate_up = fused_add_rms_norm + cuBLAS + silu_and_mul; o, down = "
           "cuBLAS; lm_head = cuBLAS logits + the sampler's greedy argmax. linear.py: its plain product alone\n")
     print_columns(("product NxK", "M", "ours us", "ours GB/s", "ours of copy", "peer us", "peer GB/s", "peer of copy",
                    "linear.py us", "peer/ours"), rows)
@@ -1097,7 +1126,8 @@ def bench_fused(ceiling: float) -> None:
 
 def sweep_gemv_tiles(ceiling: float) -> None:
     """The GEMV (gemv.py) at M = 1 with other weight tiles per program and warps, each product as the model runs it
-    (norm prologue for qkv and gate_up, SiLU·mul for gate_up), 16 weights per shape in a CUDA graph."""
+    (norm prologue for qkv and gate_up, RoPE and the KV store for qkv, SiLU·mul for gate_up), 16 weights per shape
+    in a CUDA graph."""
     print("\n## GEMV tiles at M = 1 (us; weight elements per program, warps)\n", flush=True)
     rows = []
     for name in ("qkv", "o", "gate_up", "down"):
@@ -1106,11 +1136,14 @@ def sweep_gemv_tiles(ceiling: float) -> None:
         a = fused_inputs(name, 1)
         silu = name == "gate_up"
         for tile, warps in itertools.product((8192, 16384, 32768), (4, 8)):
-            config = gemv_tile_config(n // 2 if silu else n, k, silu, tile_elements=tile)._replace(num_warps=warps)
+            # (with SiLU·mul or qkv's RoPE a program's tile is pairs of rows)
+            config = gemv_tile_config(n // 2 if silu else n, k, silu or name == "qkv",
+                                      tile_elements=tile)._replace(num_warps=warps)
 
             def run(a: dict, w: torch.Tensor, config: GemvConfig = config, silu: bool = silu) -> object:
                 if "norm_weight" in a:
-                    return fused_norm_linear_triton(a["x"], a["residual"], a["norm_weight"], FUSED_EPS, w, silu, config)
+                    return fused_norm_linear_triton(a["x"], a["residual"], a["norm_weight"], FUSED_EPS, w, silu, config,
+                                                    rope=fused_rope(a))
                 return fused_linear_triton(a["x"], w, config=config)
             us = time_fused(name, run, a, weights)
             rows.append((name, str(tile), str(warps), str(config.block_n), f"{us:.2f}",

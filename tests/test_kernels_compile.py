@@ -37,6 +37,7 @@ _PARTIALS = {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "block_tabl
              "cu_query_lens_ptr": "*i32", "context_lens_ptr": "*i32", "prefix_len_ptr": "*i32"}
 _SAMPLING = {"value_ptr": "*fp32", "index_ptr": "*i32", "cutoff_ptr": "*fp32", "temperature_ptr": "*fp32",
              "min_p_ptr": "*fp32", "seeds_ptr": "*i64"}
+_ROPE = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_ptr": "*i64"}
 _DECODE = dict(GROUP=4, BLOCK_G=4, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=64, USE_PDL=True)
 CASES = [
     *[(_ATTENTION, "_paged_decode_kernel", {**_DECODE, "SINGLE_SPLIT": single, "SKIP_PREFIX": skip}, _PARTIALS, 4)
@@ -53,11 +54,13 @@ CASES = [
     ("tinyvllm.ops.decode_inputs", "_unpack_decode_inputs_kernel", dict(BLOCK=256, USE_PDL=True),
      {"input_ids_ptr": "*i64", "pending_ptr": "*i64", "tokens_ptr": "*i64", "packed_ptr": "*i32",
       "width_ptr": "*i32", "tables_ptr": "*i32"}, 1),
-    # The GEMV at the 1B's shapes: qkv with the norm (K 2048, 4 rows), gate_up with the norm and SiLU·mul, down
-    # (K 8192, 1 row): 16 KB of weights per program.
+    # The GEMV at the 1B's shapes: qkv with the norm and RoPE + KV store (K 2048, 2 pairs of rows) and without it,
+    # gate_up with the norm and SiLU·mul, down (K 8192, 1 row): 16 KB of weights per program.
     *[("tinyvllm.ops.gemv", "_gemv_kernel", dict(BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm, HAS_RESIDUAL=norm,
-                                                  SILU_MUL=silu, EVEN_K=True, USE_PDL=True), {}, 4)
-      for block_n, block_k, norm, silu in ((4, 2048, True, False), (2, 2048, True, True), (1, 8192, False, False))],
+                                                  SILU_MUL=silu, ROPE=rope, HALF=32, EVEN_K=True, USE_PDL=True),
+       _ROPE, 4)
+      for block_n, block_k, norm, silu, rope in ((2, 2048, True, False, True), (4, 2048, True, False, False),
+                                                 (2, 2048, True, True, False), (1, 8192, False, False, False))],
 ]
 
 

@@ -42,6 +42,7 @@ from tinyvllm.ops.layernorm import (  # noqa: E402
     rms_norm_triton,
 )
 from tinyvllm.ops.rotary import (  # noqa: E402
+    RopeStore,
     build_cos_sin_cache,
     rotary_embedding_and_store_ref,
     rotary_embedding_and_store_triton,
@@ -531,6 +532,35 @@ def test_fused_norm_without_residual(layout: str, m: int) -> None:
     y, new_residual, ref, _ = run_fused_product("qkv", x, w, None, norm_weight)
     assert new_residual is x
     assert_close(f"qkv without residual M={m} (seed {seed})", y, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_qkv_rope_store(dtype: torch.dtype, m: int, cos_sin_cache: torch.Tensor) -> None:
+    """qkv with the norm prologue and the RoPE + KV-store epilogue (the GEMV's up to GEMV_MAX_ROWS rows, the tiled
+    kernel then rotary.py's above), output-major weights, Llama 3 scaling at random positions: y (q rotated, k and
+    v as the product gives them) and the stored slots against the float32 references; other slots untouched."""
+    generator, seed = fresh_generator()
+    n, k = FUSED_SHAPES["qkv"]
+    w = rand(n, k, generator=generator, dtype=dtype)
+    x, residual = rand(m, k, generator=generator, dtype=dtype), rand(m, k, generator=generator, dtype=dtype)
+    norm_weight = 1 + 0.1 * rand(k, generator=generator, dtype=dtype)
+    k_cache, v_cache, slots = random_cache_slots(m, dtype)
+    positions = torch.randint(0, 131072, (m,), device=DEVICE, generator=generator)
+    ref_caches = torch.stack([k_cache, v_cache]).float()
+    original = torch.stack([k_cache, v_cache])
+    rope = RopeStore(positions, cos_sin_cache, k_cache, v_cache, slots, NUM_Q_HEADS, NUM_KV_HEADS)
+    y, new_residual = poisoned(lambda: fused_norm_linear_triton(x, residual, norm_weight, EPS, w, rope=rope))
+    ref, ref_residual = fused_norm_linear_ref(x.float(), residual.float(), norm_weight.float(), EPS, w.float(),
+                                              rope=rope._replace(k_cache=ref_caches[0], v_cache=ref_caches[1]))
+    what = f"qkv + RoPE + KV store M={m} {short(dtype)} (seed {seed})"
+    assert_close(what, y, ref, dtype)
+    assert_close(what + " new residual", new_residual, ref_residual, dtype)
+    written = torch.zeros(k_cache.shape[0] * BLOCK_SIZE, dtype=torch.bool, device=DEVICE)
+    written[slots[slots >= 0]] = True
+    caches = torch.stack([k_cache, v_cache]).flatten(1, 2)
+    assert_close(what + " K/V cache", caches[:, written], ref_caches.flatten(1, 2)[:, written], dtype)
+    assert torch.equal(caches[:, ~written], original.flatten(1, 2)[:, ~written]), f"{what}: another slot changed"
 
 
 def lm_head_weight(generator: torch.Generator, dtype: torch.dtype, tied: bool) -> torch.Tensor:

@@ -4,7 +4,8 @@ Every op but the matrix products goes through `tinyvllm.ops` (Triton on CUDA, Py
 Q/K/V and gate/up are merged into one matrix product each; the loader writes the checkpoint's
 separate tensors into their slices (see `packed_modules`). At decode sizes on CUDA the products run on our
 own kernels instead of cuBLAS (ops.use_decode_kernel), each norm inside the product after it
-(RMSNorm.project) and the MLP's SiLU·mul inside gate/up; elsewhere each is its own kernel, as it reads.
+(RMSNorm.project), the MLP's SiLU·mul inside gate/up and the rotary embedding with the KV-cache store inside qkv;
+elsewhere each is its own kernel, as it reads.
 
 Tensor parallelism (Megatron-style, as vLLM): Q/K/V and gate/up are split by output columns (whole heads),
 O and down by input rows followed by an all-reduce, the embedding and LM head over the vocabulary. Each
@@ -124,15 +125,20 @@ class RMSNorm(nn.Module):
             return ops.rms_norm(x, self.weight, self.eps), x
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
-    def project(self, x: torch.Tensor, residual: torch.Tensor | None, linear: Linear,
-                silu_and_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(linear(norm(x + residual)), residual stream), with silu_and_mul the MLP's gate applied to the product:
-        one kernel where the decode kernel applies to `linear`, else the norm, the product and the gate in turn."""
+    def project(self, x: torch.Tensor, residual: torch.Tensor | None, linear: Linear, silu_and_mul: bool = False,
+                rope: ops.RopeStore | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(norm(x + residual)), residual stream), with silu_and_mul the MLP's gate applied to the product,
+        with rope (qkv_proj) q rotated in it and k, v stored in the cache: one kernel where the decode kernel
+        applies to `linear`, else the norm, the product and the gate or the rotary op in turn."""
         if linear.uses_decode_kernel(x):
-            return ops.fused_norm_linear(x, residual, self.weight, self.eps, linear.weight, silu_and_mul)
+            return ops.fused_norm_linear(x, residual, self.weight, self.eps, linear.weight, silu_and_mul, rope=rope)
         normed, residual = self(x, residual)
         y = linear(normed)
-        return ops.silu_and_mul(y) if silu_and_mul else y, residual
+        if silu_and_mul:
+            y = ops.silu_and_mul(y)
+        if rope is not None:
+            y = ops.rope_store(y, rope)
+        return y, residual
 
 
 class LlamaAttention(nn.Module):
@@ -152,20 +158,19 @@ class LlamaAttention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, cos_sin: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Attention of the tokens whose qkv_proj output is `qkv` (the decoder layer runs qkv_proj, with the norm
-        before it), through o_proj."""
+    def forward(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of the tokens whose qkv_proj output, q rotated, is `qkv` (their k and v in the cache: the
+        decoder layer runs qkv_proj with the norm before it and the rotary op after it, `rope_store`), through
+        o_proj."""
         num_tokens = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        # One kernel: q rotated in place, k rotated on its way into the cache, v copied there.
-        q = ops.rotary_embedding_and_store(positions, q, k, v, cos_sin, self.k_cache, self.v_cache,
-                                           meta.slot_mapping)
+        q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
         out = (meta.attention or ops.paged_attention)(q, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def rope_store(self, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata) -> ops.RopeStore:
+        """What follows qkv_proj: q and k rotated at `positions`, k and v stored at the step's cache slots."""
+        return ops.RopeStore(positions, cos_sin, self.k_cache, self.v_cache, meta.slot_mapping, self.num_heads,
+                             self.num_kv_heads)
 
 
 class LlamaMLP(nn.Module):
@@ -190,8 +195,10 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 cos_sin: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        qkv, residual = self.input_layernorm.project(x, residual, self.self_attn.qkv_proj)
-        x = self.self_attn(positions, qkv, cos_sin, meta)
+        attn = self.self_attn
+        rope = attn.rope_store(positions, cos_sin, meta)
+        qkv, residual = self.input_layernorm.project(x, residual, attn.qkv_proj, rope=rope)
+        x = attn(qkv, meta)
         gated, residual = self.post_attention_layernorm.project(x, residual, self.mlp.gate_up_proj, silu_and_mul=True)
         return self.mlp.down_proj(gated), residual
 

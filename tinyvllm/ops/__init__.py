@@ -22,11 +22,12 @@ from tinyvllm.ops.embedding import embedding_ref
 from tinyvllm.ops.fused_linear import fused_linear_ref, fused_norm_linear_ref, linear_argmax_ref
 from tinyvllm.ops.layernorm import fused_add_rms_norm_ref, rms_norm_ref
 from tinyvllm.ops.linear import skinny_matmul_ref
-from tinyvllm.ops.rotary import build_cos_sin_cache, rotary_embedding_and_store_ref
+from tinyvllm.ops.rotary import RopeStore, build_cos_sin_cache, rope_store_ref, rotary_embedding_and_store_ref
 from tinyvllm.ops.sampling import sample_ref
 
 __all__ = [
     "AttentionMetadata",
+    "RopeStore",
     "build_cos_sin_cache",
     "embedding",
     "fused_linear",
@@ -38,6 +39,7 @@ __all__ = [
     "rms_norm",
     "fused_add_rms_norm",
     "rotary_embedding_and_store",
+    "rope_store",
     "silu_and_mul",
     "skinny_matmul",
     "paged_attention",
@@ -52,7 +54,7 @@ _DECODE_KERNELS_OFF = os.environ.get("TINYVLLM_SKINNY", "1") == "0"
 # Each product runs on our decode kernels (fused_linear.py) for up to this many rows (tokens), on cuBLAS above:
 # the crossovers that benchmarks/bench_kernels.py --fused measures against what the model runs otherwise
 # (cuBLAS with the separate norm and SiLU kernels); figures in benchmarks/RESULTS.md. 0: never.
-#   qkv:     RMSNorm (input_layernorm, with the residual add) + the QKV product
+#   qkv:     RMSNorm (input_layernorm, with the residual add) + the QKV product (+ RoPE and the KV store, on the GEMV)
 #   o:       the attention output projection
 #   gate_up: RMSNorm (post_attention_layernorm, with the residual add) + gate/up + SiLU·mul
 #   down:    the MLP's down projection
@@ -143,6 +145,7 @@ linear_argmax = _dispatch("linear_argmax", linear_argmax_ref)
 rms_norm = _dispatch("rms_norm", rms_norm_ref)
 fused_add_rms_norm = _dispatch("fused_add_rms_norm", fused_add_rms_norm_ref)
 rotary_embedding_and_store = _dispatch("rotary_embedding_and_store", rotary_embedding_and_store_ref)
+rope_store = _dispatch("rope_store", rope_store_ref)
 silu_and_mul = _dispatch("silu_and_mul", silu_and_mul_ref)
 skinny_matmul = _dispatch("skinny_matmul", skinny_matmul_ref)
 _plain_attention = _dispatch("paged_attention", paged_attention_ref)
