@@ -23,7 +23,7 @@ class Block:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None
-        self.token_ids: tuple[int, ...] = ()
+        self.token_ids: list[int] = []  # (a list: a sequence's slice compares with it without a conversion)
 
 
 def block_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -66,8 +66,7 @@ class BlockManager:
             block_id = self.cached_blocks.get(seq.block_hashes[i])
             if block_id is None:
                 break
-            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            if self.blocks[block_id].token_ids != tokens:
+            if self.blocks[block_id].token_ids != seq.token_ids[i * self.block_size:(i + 1) * self.block_size]:
                 break  # a hash collision: not our prefix
             found.append(block_id)
         return found
@@ -132,7 +131,7 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.hash is not None and self.cached_blocks.get(block.hash) == block_id:
                 del self.cached_blocks[block.hash]  # evict
-            block.hash, block.token_ids, block.ref_count = None, (), 1
+            block.hash, block.token_ids, block.ref_count = None, [], 1
             seq.block_table.append(block_id)
         return True
 
@@ -180,7 +179,7 @@ class BlockManager:
             if block.hash is not None:
                 continue
             block.hash = seq.block_hashes[i]
-            block.token_ids = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            block.token_ids = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
             self.cached_blocks.setdefault(block.hash, block.block_id)
         seq.num_registered_blocks = num_full
         if seq.claimed_blocks[0] < num_full:

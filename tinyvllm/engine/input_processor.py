@@ -5,10 +5,13 @@ with the same messages."""
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from tinyvllm.sampling_params import SamplingParams
 
@@ -63,12 +66,9 @@ class InputProcessor:
             if not token_ids:
                 raise InputError("the prompt encodes to no tokens", "prompt")
             return prompt, token_ids
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
-            raise InputError("a prompt is a string or a list of token ids", "prompt")
-        if not prompt:
+        if isinstance(prompt, (list, tuple)) and not prompt:
             raise InputError("the prompt is empty", "prompt")
-        self.check_token_ids(prompt, "prompt")
-        return None, list(prompt)
+        return None, self.check_token_ids(prompt, "prompt")
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -103,10 +103,22 @@ class InputProcessor:
                              f"model's context of {self.max_model_len} tokens (of at most {self.max_token_chars} "
                              "characters each); shorten the text", param)
 
-    def check_token_ids(self, token_ids: list[int], param: str) -> None:
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InputError(f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}", param)
+    def check_token_ids(self, token_ids: Any, param: str) -> list[int]:
+        """The ids as a list of Python ints; refuses anything but a list (or tuple) of ints in [0, vocab_size).
+        array.array does the type check and numpy the range check, each in C: a batch of long prompts is hundreds
+        of thousands of ids (a Python loop over 256 prompts of 1,088 ids took 12.5 ms of this project's CPU)."""
+        try:
+            ids = array.array("q", token_ids) if isinstance(token_ids, (list, tuple)) else None
+        except (TypeError, OverflowError):  # (not an int, or not one of 64 bits)
+            ids = None
+        if ids is None:
+            raise InputError("a prompt is a string or a list of token ids" if param == "prompt" else
+                             f"{param} must be a list of token ids", param)
+        values = np.frombuffer(ids, dtype=np.int64)
+        if values.size and (values.min() < 0 or values.max() >= self.vocab_size):
+            bad = values[(values < 0) | (values >= self.vocab_size)]
+            raise InputError(f"token ids must be in [0, {self.vocab_size}); got {bad[:5].tolist()}", param)
+        return ids.tolist()
 
     def apply_chat_template(self, conversation: list[Message], add_generation_prompt: bool = True,
                             chat_template: str | None = None) -> list[int]:
