@@ -1135,7 +1135,7 @@ def sweep_gemv_tiles(ceiling: float) -> None:
         weights = gemv_weights(name, GEMV_WEIGHTS, output_major=True)
         a = fused_inputs(name, 1)
         silu = name == "gate_up"
-        for tile, warps in itertools.product((8192, 16384, 32768), (4, 8)):
+        for tile, warps in itertools.product((4096, 8192, 16384, 32768), (2, 4, 8)):
             # (with SiLU·mul or qkv's RoPE a program's tile is pairs of rows)
             config = gemv_tile_config(n // 2 if silu else n, k, silu or name == "qkv",
                                       tile_elements=tile)._replace(num_warps=warps)

@@ -37,6 +37,10 @@ def good_request_works(llm):
     ("", SamplingParams(), "empty"),
     ([], SamplingParams(), "empty"),
     ([1, 2, 10**9], SamplingParams(), "token ids must be in"),
+    ([1, 2.0], SamplingParams(), "list of token ids"),
+    ([1, "2"], SamplingParams(), "list of token ids"),
+    ([[1, 2]], SamplingParams(), "list of token ids"),
+    ([2**70], SamplingParams(), "list of token ids"),
     ("Hi " * 300, SamplingParams(max_tokens=300), "beyond the model's context"),
     ("Hi", SamplingParams(max_tokens=10_000), "beyond the model's context"),
 ])
