@@ -84,7 +84,7 @@ from tinyvllm.ops.fused_linear import (  # noqa: E402
     fused_norm_linear_triton,
     linear_argmax_triton,
 )
-from tinyvllm.ops.gemv import GemvConfig  # noqa: E402
+from tinyvllm.ops.gemv import GEMV_MAX_ROWS, GemvConfig  # noqa: E402
 from tinyvllm.ops.gemv import gemv_config as gemv_tile_config  # noqa: E402
 from tinyvllm.ops.layernorm import (  # noqa: E402
     _launch_rms_norm,
@@ -1101,11 +1101,20 @@ def bench_fused(ceiling: float) -> None:
             a = fused_inputs(name, m)
             ours_us, peer_us = time_fused(name, ours, a, ours_weights), time_fused(name, peer, a, weights)
             plain_us = time_gemv(name, weights, a["x"], None)
+            apart = "-"
+            if name in ("qkv", "gate_up") and m <= GEMV_MAX_ROWS:  # the GEMV with the norm as its own kernel
+                silu = name == "gate_up"
+                config = gemv_tile_config(n // 2 if silu else n, k, silu or name == "qkv")._replace(fuse_norm=False)
+
+                def norm_apart(a: dict, w: torch.Tensor, silu: bool = silu, config: GemvConfig = config) -> object:
+                    return fused_norm_linear_triton(a["x"], a["residual"], a["norm_weight"], FUSED_EPS, w, silu,
+                                                    config, rope=fused_rope(a))
+                apart = f"{time_fused(name, norm_apart, a, ours_weights):.2f}"
             results[name, m] = (ours_us, peer_us)
             gbps = [nbytes / us / 1e3 for us in (ours_us, peer_us)]
             rows.append((f"{name} {n}x{k}", str(m), f"{ours_us:.2f}", f"{gbps[0]:,.0f}",
                          f"{100 * gbps[0] / ceiling:.0f}%", f"{peer_us:.2f}", f"{gbps[1]:,.0f}",
-                         f"{100 * gbps[1] / ceiling:.0f}%", f"{plain_us:.2f}", f"{peer_us / ours_us:.2f}x"))
+                         f"{100 * gbps[1] / ceiling:.0f}%", f"{plain_us:.2f}", apart, f"{peer_us / ours_us:.2f}x"))
             print("  " + "  ".join(rows[-1]), flush=True)
         del weights, ours_weights
         torch.cuda.empty_cache()
@@ -1113,9 +1122,10 @@ def bench_fused(ceiling: float) -> None:
           f"(GB/s of weight read; copy ceiling {ceiling:.0f} GB/s)")
     print("peers: qkv = fused_add_rms_norm + cuBLAS + RoPE and KV store (ours: with them); "
           "gate_up = fused_add_rms_norm + cuBLAS + silu_and_mul; o, down = "
-          "cuBLAS; lm_head = cuBLAS logits + the sampler's greedy argmax. linear.py: its plain product alone\n")
+          "cuBLAS; lm_head = cuBLAS logits + the sampler's greedy argmax. linear.py: its plain product alone. "
+          "norm apart: ours with the RMSNorm in layernorm.py's kernel before a plain GEMV (GemvConfig.fuse_norm)\n")
     print_columns(("product NxK", "M", "ours us", "ours GB/s", "ours of copy", "peer us", "peer GB/s", "peer of copy",
-                   "linear.py us", "peer/ours"), rows)
+                   "linear.py us", "norm apart us", "peer/ours"), rows)
     print("\nCrossover (peer/ours > 1: ours faster), for ops.DECODE_KERNEL_MAX_ROWS:")
     for name in GEMV_SHAPES:
         slower = [m for m in FUSED_BATCHES if results[name, m][0] > results[name, m][1]]

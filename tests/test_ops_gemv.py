@@ -51,17 +51,20 @@ def test_silu_and_mul_epilogue(m: int) -> None:
     _close(y, fused_linear_ref(x, w, silu_and_mul=True))
 
 
+@pytest.mark.parametrize("fuse_norm", [True, False])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("silu_and_mul", [False, True])
 @pytest.mark.parametrize("m", [1, GEMV_MAX_ROWS])
-def test_norm_prologue(with_residual: bool, silu_and_mul: bool, m: int) -> None:
+def test_norm_prologue(with_residual: bool, silu_and_mul: bool, m: int, fuse_norm: bool) -> None:
     """qkv (input_layernorm) and gate_up (post_attention_layernorm): rms_norm(x + residual) times W, and the new
-    residual stream written once (by program 0) for every row."""
+    residual stream written once (by program 0) for every row; fuse_norm=False: the norm in layernorm.py's kernel
+    before a plain GEMV, the same contract."""
     torch.manual_seed(m + 10 * with_residual + 100 * silu_and_mul)
     x, norm_weight = torch.randn(m, K), 1 + 0.1 * torch.randn(K)
     residual = torch.randn(m, K) if with_residual else None
     w = torch.randn(2 * N if silu_and_mul else N, K)
-    y, new_residual = fused_norm_linear_triton(x, residual, norm_weight, EPS, w, silu_and_mul, GemvConfig(8))
+    y, new_residual = fused_norm_linear_triton(x, residual, norm_weight, EPS, w, silu_and_mul,
+                                               GemvConfig(8, fuse_norm=fuse_norm))
     ref, ref_residual = fused_norm_linear_ref(x, residual, norm_weight, EPS, w, silu_and_mul)
     _close(y, ref)
     if with_residual:
@@ -129,9 +132,9 @@ def _rope_case(m: int, seed: int) -> tuple[Any, ...]:
     return x, residual, norm_weight, w, caches, rope
 
 
-@pytest.mark.parametrize("m", [1, 2])
-@pytest.mark.parametrize("block_n", [1, 4, 32])
-def test_rope_store_epilogue(m: int, block_n: int) -> None:
+@pytest.mark.parametrize("m,block_n,fuse_norm", [(1, 1, True), (1, 4, True), (1, 32, True), (2, 1, True),
+                                                  (2, 4, True), (2, 32, True), (1, 4, False), (2, 4, False)])
+def test_rope_store_epilogue(m: int, block_n: int, fuse_norm: bool) -> None:
     """qkv with the rotary embedding and the KV-cache store in its epilogue (block_n counts pairs of a head's
     halves; 32 pairs run past the 24 there are): y holds q rotated and k, v as the product gives them, and the
     cache gets the rotated k and v at each slot but -1, as norm, product and rotary.py's kernel one after the
@@ -140,7 +143,8 @@ def test_rope_store_epilogue(m: int, block_n: int) -> None:
     ref_caches = caches.clone()
     ref, ref_residual = fused_norm_linear_ref(x, residual, norm_weight, EPS, w,
                                               rope=rope._replace(k_cache=ref_caches[0], v_cache=ref_caches[1]))
-    y, new_residual = fused_norm_linear_triton(x, residual, norm_weight, EPS, w, config=GemvConfig(block_n), rope=rope)
+    y, new_residual = fused_norm_linear_triton(x, residual, norm_weight, EPS, w,
+                                               config=GemvConfig(block_n, fuse_norm=fuse_norm), rope=rope)
     _close(y, ref)
     _close(new_residual, ref_residual)
     _close(caches, ref_caches)

@@ -37,7 +37,7 @@ except ImportError:  # the CPU engine imports the references on machines without
 
 from tinyvllm.ops.activation import silu_and_mul_ref
 from tinyvllm.ops.gemv import GEMV_MAX_ROWS, GemvConfig, launch_gemv
-from tinyvllm.ops.layernorm import fused_add_rms_norm_ref, rms_norm_ref
+from tinyvllm.ops.layernorm import _launch_rms_norm, fused_add_rms_norm_ref, rms_norm_ref
 from tinyvllm.ops.linear import SkinnyConfig, _counters, _num_sms, _weight_layout, skinny_matmul_config
 from tinyvllm.ops.pdl import pdl_options, pdl_wait
 from tinyvllm.ops.rotary import RopeStore, rope_store_ref, rope_store_triton
@@ -311,6 +311,10 @@ def _launch(
     weight, k_contiguous, stride_w = _weight_layout(weight)
     if isinstance(config, GemvConfig) or (config is None and not argmax and k_contiguous and m <= GEMV_MAX_ROWS):
         assert k_contiguous and not argmax, "the GEMV takes output-major weights, and no argmax"
+        if norm and config is not None and not config.fuse_norm:  # the norm's own kernel, then a plain GEMV
+            normed, normed_residual = _launch_rms_norm(x2, residual, norm_weight, eps)
+            launch_gemv(out, normed, weight, stride_w, normed, None, None, eps, silu_and_mul, config, rope)
+            return out, (normed_residual if residual is not None else None)
         launch_gemv(out, x2, weight, stride_w, res2, new_residual, norm_weight, eps, silu_and_mul, config, rope)
         return out, new_residual
     if config is None:

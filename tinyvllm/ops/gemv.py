@@ -40,8 +40,11 @@ _TILE_BYTES = 16384  # weight bytes per program (32 registers a thread at 4 warp
 
 
 class GemvConfig(NamedTuple):
-    block_n: int  # rows of W per program (gate and up rows each, with SILU_MUL)
+    block_n: int  # rows of W per program (gate and up rows each, with SILU_MUL; pairs of a head's halves, with ROPE)
     num_warps: int = 4
+    # The RMSNorm prologue in the GEMV (each program computes the norm itself) or, False, in layernorm.py's kernel
+    # before a plain GEMV (benchmarks/bench_kernels.py --fused times both)
+    fuse_norm: bool = True
 
 
 def gemv_config(n: int, k: int, silu_and_mul: bool = False, element_size: int = 2,
