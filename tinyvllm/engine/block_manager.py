@@ -79,10 +79,14 @@ class BlockManager:
         if not self.claimed:
             return False
         last = (seq.num_tokens - 1) // self.block_size
-        self._hash_full_blocks(seq, last)
         i = seq.num_blocks_seen_cached
-        while i < last and seq.block_hashes[i] in self.cached_blocks:
-            i += 1
+        if i < last:
+            # (the next block's hash first: while a shared prefix is being computed, nothing more is needed yet)
+            self._hash_full_blocks(seq, i + 1)
+            if seq.block_hashes[i] in self.cached_blocks:
+                self._hash_full_blocks(seq, last)
+                while i < last and seq.block_hashes[i] in self.cached_blocks:
+                    i += 1
         seq.num_blocks_seen_cached = i
         return i < last and seq.block_hashes[i] in self.claimed
 
