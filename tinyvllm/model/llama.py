@@ -160,14 +160,14 @@ class LlamaAttention(nn.Module):
 
     def forward(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attention of the tokens whose qkv_proj output, q rotated, is `qkv` (their k and v in the cache: the
-        decoder layer runs qkv_proj with the norm before it and the rotary op after it, `rope_store`), through
+        decoder layer runs qkv_proj with the norm before it and ops.rope_store after it, see `rope`), through
         o_proj."""
         num_tokens = qkv.shape[0]
         q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
         out = (meta.attention or ops.paged_attention)(q, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
-    def rope_store(self, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata) -> ops.RopeStore:
+    def rope(self, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata) -> ops.RopeStore:
         """What follows qkv_proj: q and k rotated at `positions`, k and v stored at the step's cache slots."""
         return ops.RopeStore(positions, cos_sin, self.k_cache, self.v_cache, meta.slot_mapping, self.num_heads,
                              self.num_kv_heads)
@@ -196,7 +196,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 cos_sin: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         attn = self.self_attn
-        rope = attn.rope_store(positions, cos_sin, meta)
+        rope = attn.rope(positions, cos_sin, meta)
         qkv, residual = self.input_layernorm.project(x, residual, attn.qkv_proj, rope=rope)
         x = attn(qkv, meta)
         gated, residual = self.post_attention_layernorm.project(x, residual, self.mlp.gate_up_proj, silu_and_mul=True)

@@ -22,7 +22,7 @@ from tinyvllm.ops.embedding import embedding_ref
 from tinyvllm.ops.fused_linear import fused_linear_ref, fused_norm_linear_ref, linear_argmax_ref
 from tinyvllm.ops.layernorm import fused_add_rms_norm_ref, rms_norm_ref
 from tinyvllm.ops.linear import skinny_matmul_ref
-from tinyvllm.ops.rotary import RopeStore, build_cos_sin_cache, rope_store_ref, rotary_embedding_and_store_ref
+from tinyvllm.ops.rotary import RopeStore, build_cos_sin_cache, rope_store_ref
 from tinyvllm.ops.sampling import sample_ref
 
 __all__ = [
@@ -38,7 +38,6 @@ __all__ = [
     "DECODE_KERNEL_MAX_ROWS",
     "rms_norm",
     "fused_add_rms_norm",
-    "rotary_embedding_and_store",
     "rope_store",
     "silu_and_mul",
     "skinny_matmul",
@@ -144,7 +143,6 @@ fused_norm_linear = _dispatch("fused_norm_linear", fused_norm_linear_ref)
 linear_argmax = _dispatch("linear_argmax", linear_argmax_ref)
 rms_norm = _dispatch("rms_norm", rms_norm_ref)
 fused_add_rms_norm = _dispatch("fused_add_rms_norm", fused_add_rms_norm_ref)
-rotary_embedding_and_store = _dispatch("rotary_embedding_and_store", rotary_embedding_and_store_ref)
 rope_store = _dispatch("rope_store", rope_store_ref)
 silu_and_mul = _dispatch("silu_and_mul", silu_and_mul_ref)
 skinny_matmul = _dispatch("skinny_matmul", skinny_matmul_ref)

@@ -291,8 +291,9 @@ def _launch(
     """(y, new residual or None) of one fused product. y: [M, N] (silu_and_mul: [M, N / 2]; argmax: int64 [M]).
     Up to GEMV_MAX_ROWS rows of an output-major weight (but the LM head's argmax) run on gemv.py's kernel, the
     rest on the tiled one here. `config` overrides the choice, the tiles and the split (the tests and the
-    benchmark): a GemvConfig takes the GEMV; a SkinnyConfig's block_n counts output columns. rope (a qkv
-    product): the GEMV's epilogue rotates q and stores k and v; the tiled kernel leaves that to rotary.py's."""
+    benchmark): a GemvConfig takes the GEMV (with fuse_norm=False after layernorm.py's kernel); a SkinnyConfig's
+    block_n counts output columns. rope (a qkv product): the GEMV's epilogue rotates q and stores k and v; the tiled
+    kernel leaves that to rotary.py's."""
     k = x.shape[-1]
     n_weight = weight.shape[0]
     assert weight.shape[1] == k and weight.dtype == x.dtype, (x.shape, x.dtype, weight.shape, weight.dtype)

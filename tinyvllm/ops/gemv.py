@@ -1,8 +1,9 @@
 """Decode products of a few rows (batch-1 decode) as GEMVs that fetch their weights before the kernel before them
 has finished: y = x @ W^T for x [M, K] with M up to GEMV_MAX_ROWS, W [N, K] stored output-major (rows of K
-contiguous), optionally with the residual add and RMSNorm before the product and SiLU·mul after it, as
-fused_linear.py's references define them (fused_linear_ref, fused_norm_linear_ref). fused_linear.py's entry points
-launch it (launch_gemv) for those row counts and that layout, or when handed a GemvConfig.
+contiguous), optionally with the residual add and RMSNorm before the product and SiLU·mul or, for qkv, the rotary
+embedding and the KV-cache store after it, as fused_linear.py's references define them (fused_linear_ref,
+fused_norm_linear_ref). fused_linear.py's entry points launch it (launch_gemv) for those row counts and that layout,
+or when handed a GemvConfig.
 
 Why: at batch 1 a decoder layer's four products read 120 MB of weights, a few microseconds of HBM time each,
 and cuBLAS runs them as separate launches that each pay a ramp-up and a tail with HBM idle. Weights never
@@ -13,11 +14,13 @@ product runs under the tail of the kernel before it: a layer becomes one stream 
 four ramps. Without PDL (before Hopper, or TINYVLLM_PDL=0) the kernel is a plain GEMV.
 
 Per program: rows n0 .. n0 + BLOCK_N of W (SILU_MUL: gate rows n and up rows N + n, as the merged gate_up
-weight holds them), all of K at once (BLOCK_K = K padded to a power of two). Each x row is then
+weight holds them; ROPE: pairs, rows j and j + D/2 of a head, so that the program rotates what it computed), all
+of K at once (BLOCK_K = K padded to a power of two). Each x row is then
     a = x                                                        (plain)
     h = x + residual (rounded, the new residual), a = rms_norm(h)  (NORM; program 0 writes h)
     y[m, n] = sum_k W[n, k] * a[k]       in float32, rounded to x's dtype
     y[m, n] = silu(gate) * up            (SILU_MUL; gate and up rounded first, as the unfused path rounds them)
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) for q and k heads; k, v to the cache slot   (ROPE, rotary.py's math)
 """
 
 from __future__ import annotations

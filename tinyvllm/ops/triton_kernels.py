@@ -14,14 +14,13 @@ from tinyvllm.ops.cascade_attention import cascade_attention_triton
 from tinyvllm.ops.decode_inputs import unpack_decode_inputs_triton
 from tinyvllm.ops.embedding import embedding_triton
 from tinyvllm.ops.layernorm import fused_add_rms_norm_triton, rms_norm_triton
-from tinyvllm.ops.rotary import rope_store_triton, rotary_embedding_and_store_triton
+from tinyvllm.ops.rotary import rope_store_triton
 from tinyvllm.ops.sampling import sample_triton
 
 KERNELS: dict[str, Callable[..., Any]] = {
     "embedding": embedding_triton,
     "rms_norm": rms_norm_triton,
     "fused_add_rms_norm": fused_add_rms_norm_triton,
-    "rotary_embedding_and_store": rotary_embedding_and_store_triton,
     "rope_store": rope_store_triton,
     "silu_and_mul": silu_and_mul_triton,
     "paged_attention": paged_attention_triton,
