@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.utils import hf_greedy, hf_model, our_logits, tiny_llama_fixture, tiny_llm
+from tests.utils import count_gemv_launches, hf_greedy, hf_model, our_logits, tiny_llama_fixture, tiny_llm
 from tinyvllm import SamplingParams, ops
 
 checkpoint = tiny_llama_fixture(seed=15)
@@ -46,8 +46,6 @@ def test_forced_decode_kernels_match_the_separate_ops(checkpoint: str, monkeypat
     four rows) give the hidden states and tokens of the plain path. With the projections output-major, as the
     loader keeps them on CUDA for the decode kernels, the decode steps run them on the GEMV."""
     pytest.importorskip("triton")
-    import importlib
-
     from tinyvllm.model.llama import Linear
     from tinyvllm.ops.fused_linear import fused_linear_triton, fused_norm_linear_triton, linear_argmax_triton
 
@@ -57,15 +55,7 @@ def test_forced_decode_kernels_match_the_separate_ops(checkpoint: str, monkeypat
         for module in model.modules():
             if isinstance(module, Linear) and module.product:
                 module.weight.data = module.weight.data.contiguous()
-    fused_linear_module = importlib.import_module("tinyvllm.ops.fused_linear")  # (ops.fused_linear is the op)
-    gemv_calls: list[int] = []
-    real_gemv = fused_linear_module.launch_gemv
-
-    def counted_gemv(*args: Any, **kwargs: Any) -> Any:
-        gemv_calls.append(1)
-        return real_gemv(*args, **kwargs)
-
-    monkeypatch.setattr(fused_linear_module, "launch_gemv", counted_gemv)
+    gemv_calls = count_gemv_launches(monkeypatch)
     plain_logits = our_logits(llm, PROMPT)
     plain_tokens = _greedy(llm)
     plain_others = [list(o.outputs[0].token_ids) for o in llm.generate([PROMPT[:3], PROMPT[1:]], GREEDY,

@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from tests.utils import count_gemv_launches  # noqa: E402
 from tinyvllm.ops.fused_linear import (  # noqa: E402
     fused_linear_ref,
     fused_linear_triton,
@@ -77,17 +78,7 @@ def test_fused_linear_entry_points_pick_it(monkeypatch: pytest.MonkeyPatch) -> N
     """fused_linear and fused_norm_linear run the GEMV for output-major weights and up to GEMV_MAX_ROWS rows (the
     tiled kernel otherwise: more rows, or input-major weights), with the same results as the references either
     way."""
-    import importlib
-
-    fused_linear_module = importlib.import_module("tinyvllm.ops.fused_linear")  # (ops.fused_linear is the op)
-    launches: list[int] = []
-    real_launch = fused_linear_module.launch_gemv
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        launches.append(1)
-        return real_launch(*args, **kwargs)
-
-    monkeypatch.setattr(fused_linear_module, "launch_gemv", counted)
+    launches = count_gemv_launches(monkeypatch)
     torch.manual_seed(0)
     output_major = torch.randn(N, K)
     input_major = output_major.t().contiguous().t()

@@ -144,3 +144,20 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def attention_metadata(query_lens: list[int], context_lens: list[int], block_tables: torch.Tensor) -> AttentionMetadata:
     return AttentionMetadata.for_cached(query_lens, context_lens, block_tables)
+
+
+def count_gemv_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one at each launch of gemv.py's kernel through fused_linear.py (which imports
+    launch_gemv by name: the patch goes there)."""
+    import importlib
+
+    fused_linear_module = importlib.import_module("tinyvllm.ops.fused_linear")  # (ops.fused_linear is the op)
+    launches: list[int] = []
+    real_launch = fused_linear_module.launch_gemv
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        launches.append(1)
+        return real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(fused_linear_module, "launch_gemv", counted)
+    return launches
