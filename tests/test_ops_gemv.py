@@ -107,12 +107,12 @@ def test_decode_kernel_rows_override() -> None:
 
 
 def _rope_case(m: int, seed: int) -> tuple[Any, ...]:
-    """A qkv product of 4 q heads and 2 KV heads of dim 8 (K = 48), a cache of 3 blocks of 4 slots with random
-    contents, and slots that include -1 (a padding row: nothing stored)."""
+    """A qkv product of 4 q heads and 1 KV head of dim 8 (K = 48; 24 pairs of head halves, not a power of two), a
+    cache of 3 blocks of 4 slots with random contents, and slots that include -1 (a padding row: nothing stored)."""
     from tinyvllm.ops.rotary import RopeStore, build_cos_sin_cache
 
     torch.manual_seed(seed)
-    q_heads, kv_heads, head_dim = 4, 2, 8
+    q_heads, kv_heads, head_dim = 4, 1, 8
     x, residual, norm_weight = torch.randn(m, K), torch.randn(m, K), 1 + 0.1 * torch.randn(K)
     w = torch.randn((q_heads + 2 * kv_heads) * head_dim, K)
     caches = torch.randn(2, 3, 4, kv_heads, head_dim)
@@ -123,13 +123,13 @@ def _rope_case(m: int, seed: int) -> tuple[Any, ...]:
     return x, residual, norm_weight, w, caches, rope
 
 
-@pytest.mark.parametrize("m,block_n,fuse_norm", [(1, 1, True), (1, 4, True), (1, 32, True), (2, 1, True),
-                                                  (2, 4, True), (2, 32, True), (1, 4, False), (2, 4, False)])
+@pytest.mark.parametrize("m,block_n,fuse_norm", [(1, 1, True), (1, 16, True), (1, 32, True), (2, 1, True),
+                                                  (2, 16, True), (2, 32, True), (1, 4, False), (2, 4, False)])
 def test_rope_store_epilogue(m: int, block_n: int, fuse_norm: bool) -> None:
     """qkv with the rotary embedding and the KV-cache store in its epilogue (block_n counts pairs of a head's
-    halves; 32 pairs run past the 24 there are): y holds q rotated and k, v as the product gives them, and the
-    cache gets the rotated k and v at each slot but -1, as norm, product and rotary.py's kernel one after the
-    other give them."""
+    halves; 16 leave the second program half empty, 32 run past the 24 there are): y holds q rotated and k, v as the
+    product gives them, and the cache gets the rotated k and v at each slot but -1, as norm, product and rotary.py's
+    kernel one after the other give them."""
     x, residual, norm_weight, w, caches, rope = _rope_case(m, seed=m * 10 + block_n)
     ref_caches = caches.clone()
     ref, ref_residual = fused_norm_linear_ref(x, residual, norm_weight, EPS, w,

@@ -106,7 +106,7 @@ class InputProcessor:
     def check_token_ids(self, token_ids: Any, param: str) -> list[int]:
         """The ids as a list of Python ints; refuses anything but a list (or tuple) of ints in [0, vocab_size).
         array.array does the type check and numpy the range check, each in C: a batch of long prompts is hundreds
-        of thousands of ids (a Python loop over 256 prompts of 1,088 ids took 12.5 ms of this project's CPU)."""
+        of thousands of ids, too many for a Python loop over them (benchmarks/RESULTS.md)."""
         try:
             ids = array.array("q", token_ids) if isinstance(token_ids, (list, tuple)) else None
         except (TypeError, OverflowError):  # (not an int, or not one of 64 bits)

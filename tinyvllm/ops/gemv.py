@@ -50,12 +50,13 @@ class GemvConfig(NamedTuple):
     fuse_norm: bool = True
 
 
-def gemv_config(n: int, k: int, silu_and_mul: bool = False, element_size: int = 2,
+def gemv_config(n: int, k: int, paired: bool = False, element_size: int = 2,
                 tile_elements: int | None = None) -> GemvConfig:
-    """About _TILE_BYTES of weights (or tile_elements) per program, in whole rows of K."""
+    """About _TILE_BYTES of weights (or tile_elements) per program, in whole rows of K; paired: the rows come in
+    pairs (SILU_MUL's gate and up, ROPE's halves of a head), block_n counting pairs."""
     tile_elements = tile_elements or _TILE_BYTES // element_size
     block_k = triton.next_power_of_2(k)
-    slabs = 2 if silu_and_mul else 1
+    slabs = 2 if paired else 1
     block_n = max(1, min(triton.next_power_of_2(n), tile_elements // (block_k * slabs)))
     return GemvConfig(block_n)
 

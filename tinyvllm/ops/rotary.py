@@ -83,8 +83,8 @@ def rotary_embedding_and_store_ref(positions: torch.Tensor, q: torch.Tensor, k: 
 
 
 class RopeStore(NamedTuple):
-    """What follows a qkv product in a decoder layer, for a kernel that does it in the product's epilogue
-    (gemv.py): the rotary embedding of q and k at `positions`, and k and v stored at their cache slots."""
+    """What follows a qkv product in a decoder layer: the rotary embedding of q and k at `positions`, and k and v
+    stored at their cache slots. ops.rope_store does it after the product; gemv.py's GEMV in its epilogue."""
 
     positions: torch.Tensor  # [T]
     cos_sin_cache: torch.Tensor  # build_cos_sin_cache's
