@@ -23,7 +23,7 @@
   check against float32 references, then the crossover per product (the rows of ops.DECODE_KERNEL_MAX_ROWS).
   Ours runs on output-major weights, the layout the loader keeps for a product on the decode kernels (up to
   GEMV_MAX_ROWS rows the GEMV of tinyvllm/ops/gemv.py then runs it), the peer on the cuBLAS layout; --sweep also
-  times the GEMV's other tiles at M = 1.
+  times the GEMV's other tiles, warps and register caps at M = 1.
 
     python benchmarks/bench_kernels.py [--quick] [--sweep [prefill|decode|rms_norm] [--sweep-only]]
     python benchmarks/bench_kernels.py --gemv [--gemv-sweep]
@@ -1138,17 +1138,19 @@ def sweep_gemv_tiles(ceiling: float) -> None:
     """The GEMV (gemv.py) at M = 1 with other weight tiles per program and warps, each product as the model runs it
     (norm prologue for qkv and gate_up, RoPE and the KV store for qkv, SiLU·mul for gate_up), 16 weights per shape
     in a CUDA graph."""
-    print("\n## GEMV tiles at M = 1 (us; weight elements per program, warps)\n", flush=True)
+    print("\n## GEMV tiles at M = 1 (us; weight elements per program, warps, registers a thread)\n", flush=True)
     rows = []
     for name in ("qkv", "o", "gate_up", "down"):
         n, k = GEMV_SHAPES[name]
         weights = gemv_weights(name, GEMV_WEIGHTS, output_major=True)
         a = fused_inputs(name, 1)
         silu = name == "gate_up"
-        for tile, warps in itertools.product((4096, 8192, 16384, 32768), (2, 4, 8)):
+        # (then the default tile with a cap on the registers a thread uses: more programs an SM)
+        tiles = [(*tile, None) for tile in itertools.product((4096, 8192, 16384, 32768), (2, 4, 8))]
+        for tile, warps, registers in tiles + [(8192, 4, cap) for cap in (96, 88, 80, 72)]:
             # (with SiLU·mul or qkv's RoPE a program's tile is pairs of rows)
             config = gemv_tile_config(n // 2 if silu else n, k, silu or name == "qkv",
-                                      tile_elements=tile)._replace(num_warps=warps)
+                                      tile_elements=tile)._replace(num_warps=warps, max_registers=registers)
 
             def run(a: dict, w: torch.Tensor, config: GemvConfig = config, silu: bool = silu) -> object:
                 if "norm_weight" in a:
@@ -1156,12 +1158,12 @@ def sweep_gemv_tiles(ceiling: float) -> None:
                                                     rope=fused_rope(a))
                 return fused_linear_triton(a["x"], w, config=config)
             us = time_fused(name, run, a, weights)
-            rows.append((name, str(tile), str(warps), str(config.block_n), f"{us:.2f}",
+            rows.append((name, str(tile), str(warps), str(registers or "-"), str(config.block_n), f"{us:.2f}",
                          f"{100 * n * k * 2 / us / 1e3 / ceiling:.0f}%"))
             print("  " + "  ".join(rows[-1]), flush=True)
         del weights
         torch.cuda.empty_cache()
-    print_columns(("product", "tile elements", "warps", "rows per program", "us", "of copy"), rows)
+    print_columns(("product", "tile elements", "warps", "max registers", "rows per program", "us", "of copy"), rows)
 
 
 def run_fused(sweep_tiles: bool) -> int:

@@ -16,11 +16,15 @@ four ramps. Without PDL (before Hopper, or TINYVLLM_PDL=0) the kernel is a plain
 Per program: rows n0 .. n0 + BLOCK_N of W (SILU_MUL: gate rows n and up rows N + n, as the merged gate_up
 weight holds them; ROPE: pairs, rows j and j + D/2 of a head, so that the program rotates what it computed), all
 of K at once (BLOCK_K = K padded to a power of two). Each x row is then
-    a = x                                                        (plain)
-    h = x + residual (rounded, the new residual), a = rms_norm(h)  (NORM; program 0 writes h)
-    y[m, n] = sum_k W[n, k] * a[k]       in float32, rounded to x's dtype
+    a = x, s = 1                                                 (plain)
+    h = x + residual (rounded, the new residual), a = h * norm_weight, s = rsqrt(mean(h^2) + eps)
+                                                                 (NORM; program 0 writes h)
+    y[m, n] = s * sum_k W[n, k] * a[k]   in float32, rounded to x's dtype
     y[m, n] = silu(gate) * up            (SILU_MUL; gate and up rounded first, as the unfused path rounds them)
     (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) for q and k heads; k, v to the cache slot   (ROPE, rotary.py's math)
+The norm's 1/rms is a factor of each row's sums rather than of its inputs, so the sum of squares runs beside the
+products instead of before them; rms_norm(h) is then never rounded to x's dtype as the reference rounds it (in
+float32 the two agree up to the order of the sums).
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ class GemvConfig(NamedTuple):
     # The RMSNorm prologue in the GEMV (each program computes the norm itself) or, False, in layernorm.py's kernel
     # before a plain GEMV (benchmarks/bench_kernels.py --fused times both)
     fuse_norm: bool = True
+    # A cap on the registers a thread may use (ptxas spills the rest): fewer registers, more programs (and weight
+    # bytes in flight) per SM. None: as many as ptxas likes. benchmarks/bench_kernels.py --fused --sweep times caps.
+    max_registers: int | None = None
 
 
 def gemv_config(n: int, k: int, paired: bool = False, element_size: int = 2,
@@ -98,31 +105,34 @@ if triton is not None:
         if SILU_MUL or ROPE:
             w_2 = tl.load(w_ptr + rows_2.to(tl.int64)[:, None] * stride_w + offs_k[None, :], mask=w_mask,
                           other=0.0, eviction_policy="evict_first")
+        norm_weight = tl.zeros((BLOCK_K,), dtype=x_ptr.dtype.element_ty)
+        if NORM:  # (a weight too: loaded before the wait)
+            norm_weight = tl.load(norm_weight_ptr + offs_k, mask=k_mask, other=0.0)
         pdl_wait(USE_PDL)
 
-        norm_weight = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        if NORM:
-            norm_weight = tl.load(norm_weight_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         for m in range(M):
             a = tl.load(x_ptr + m * stride_x + offs_k, mask=k_mask, other=0.0)
+            scale = 1.0
             if NORM:
                 if HAS_RESIDUAL:
                     r = tl.load(residual_ptr + m * stride_r + offs_k, mask=k_mask, other=0.0)
                     a = (a.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
                     if pid == 0:
                         tl.store(new_residual_ptr + m * stride_nr + offs_k, a, mask=k_mask)
+                # rms_norm(h) = h * norm_weight * inv_rms, and inv_rms is one number per row: it scales the
+                # products' sums instead of h, so the sum of squares is not on the way to the products.
                 h = a.to(tl.float32)
-                inv_rms = tl.rsqrt(tl.sum(h * h, axis=0) / K + eps)
-                a = (h * inv_rms * norm_weight).to(x_ptr.dtype.element_ty)
+                scale = tl.rsqrt(tl.sum(h * h, axis=0) / K + eps)
+                a = h * norm_weight.to(tl.float32)
             a = a.to(tl.float32)[None, :]
-            acc = tl.sum(w.to(tl.float32) * a, axis=1)
+            acc = tl.sum(w.to(tl.float32) * a, axis=1) * scale
             if SILU_MUL:
                 gate = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
-                up = tl.sum(w_2.to(tl.float32) * a, axis=1).to(y_ptr.dtype.element_ty).to(tl.float32)
+                up = (tl.sum(w_2.to(tl.float32) * a, axis=1) * scale).to(y_ptr.dtype.element_ty).to(tl.float32)
                 acc = gate / (1.0 + tl.exp(-gate)) * up
             if ROPE:
-                _rope_store(y_ptr + m * stride_y, acc, tl.sum(w_2.to(tl.float32) * a, axis=1), rows, rows_2, head,
-                            j, n_mask, tl.load(positions_ptr + m).to(tl.int64), tl.load(slot_ptr + m).to(tl.int64),
+                _rope_store(y_ptr + m * stride_y, acc, tl.sum(w_2.to(tl.float32) * a, axis=1) * scale, rows, rows_2,
+                            head, j, n_mask, tl.load(positions_ptr + m).to(tl.int64), tl.load(slot_ptr + m).to(tl.int64),
                             cos_sin_ptr, k_cache_ptr, v_cache_ptr, stride_cs, stride_kb, stride_ks, stride_kh,
                             stride_vb, stride_vs, stride_vh, block_size, num_q_heads, num_kv_heads, HALF)
             else:
@@ -192,5 +202,5 @@ def launch_gemv(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, stride_w
         block_size, num_q_heads, num_kv_heads,
         BLOCK_N=config.block_n, BLOCK_K=block_k, NORM=norm_weight is not None, HAS_RESIDUAL=new_residual is not None,
         SILU_MUL=silu_and_mul, ROPE=rope is not None, HALF=half, EVEN_K=k == block_k, num_warps=config.num_warps,
-        num_stages=1, **pdl_options(x),
+        num_stages=1, **pdl_options(x), **({} if config.max_registers is None else {"maxnreg": config.max_registers}),
     )
