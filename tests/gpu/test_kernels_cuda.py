@@ -349,6 +349,45 @@ def test_decode_attention_in_cuda_graph() -> None:
     assert_close("attention decode in a CUDA graph, replayed on new contexts bf16", out, ref, dtype)
 
 
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_decode_attention_reads_the_kv_stored_just_before(m: int, cos_sin_cache: torch.Tensor) -> None:
+    """qkv's product storing each sequence's newest K and V, then decode attention, in a CUDA graph as a decode step
+    runs them (with PDL on Hopper attention reads the batch's layout and prefetches its keys before it waits for
+    qkv): the newest slots are NaN before each replay, so attention reading one before the store shows; its output
+    against the reference on the caches the replay left."""
+    dtype = torch.bfloat16
+    generator, seed = fresh_generator()
+    context_lens = rand_lens(m, 1, 512)
+    _, k_cache, v_cache, meta = paged_batch([1] * m, context_lens, dtype)
+    n, k = FUSED_SHAPES["qkv"]
+    w = rand(n, k, generator=generator, dtype=dtype)
+    norm_weight = 1 + 0.1 * rand(k, generator=generator, dtype=dtype)
+    x, residual = torch.empty(m, k, dtype=dtype, device=DEVICE), torch.empty(m, k, dtype=dtype, device=DEVICE)
+    positions = torch.tensor(context_lens, device=DEVICE) - 1
+    slots = (meta.block_tables[torch.arange(m, device=DEVICE), positions // BLOCK_SIZE].long() * BLOCK_SIZE
+             + positions % BLOCK_SIZE)
+    rope = RopeStore(positions, cos_sin_cache, k_cache, v_cache, slots, NUM_Q_HEADS, NUM_KV_HEADS)
+    scale = HEAD_DIM**-0.5
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        qkv, _ = fused_norm_linear_triton(x, residual, norm_weight, EPS, w, rope=rope)
+        q = qkv[:, : NUM_Q_HEADS * HEAD_DIM].view(m, NUM_Q_HEADS, HEAD_DIM)
+        return q, paged_attention_triton(q, k_cache, v_cache, meta, scale)
+
+    x.copy_(rand(m, k, generator=generator, dtype=dtype))
+    residual.copy_(rand(m, k, generator=generator, dtype=dtype))
+    graph, (q, out) = captured(step)
+    for replay in range(2):
+        x.copy_(rand(m, k, generator=generator, dtype=dtype))
+        residual.copy_(rand(m, k, generator=generator, dtype=dtype))
+        for cache in (k_cache, v_cache):
+            cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots] = float("nan")
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+        assert_close(f"attention after the KV store, M={m}, replay {replay} (seed {seed})", out, ref, dtype)
+
+
 def test_unpack_decode_inputs_in_cuda_graph() -> None:
     """The decode graphs' first op at the engine's sizes (256 sequences, 4,096-token contexts), captured once and
     replayed on a new width and new tokens in flight (both read from device memory), equal to its reference."""

@@ -14,7 +14,7 @@ try:
 except ImportError:  # the CPU engine imports the reference on machines without Triton
     triton = None
 
-from tinyvllm.ops.pdl import pdl_options, pdl_wait
+from tinyvllm.ops.pdl import pdl_options, pdl_wait, prefetch_l2
 
 
 @dataclass
@@ -277,6 +277,23 @@ if triton is not None:
     def _split_partition(context_len, num_splits, min_partition, BLOCK_N: tl.constexpr):
         return tl.maximum(tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N, min_partition)
 
+    @triton.jit
+    def _prefetch_tile(start, end, table_ptr, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs,
+                       BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr):
+        """Before pdl_wait: the L2 prefetch (pdl.prefetch_l2) of the K and V rows of keys start .. start + BLOCK_N
+        (those below end), a line per 64 elements of a row. Without PDL it loads nothing."""
+        if USE_PDL:
+            offs_n = start + tl.arange(0, BLOCK_N)
+            in_range = offs_n < end
+            blocks = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+            slots = offs_n % BLOCK_SIZE
+            LINES: tl.constexpr = (HEAD_DIM + 63) // 64
+            offs_line = tl.arange(0, LINES) * 64
+            k_rows = k_base + blocks[:, None] * stride_kb + slots[:, None] * stride_ks + offs_line[None, :]
+            v_rows = v_base + blocks[:, None] * stride_vb + slots[:, None] * stride_vs + offs_line[None, :]
+            prefetch_l2(tl.where(in_range[:, None], k_rows, k_base), USE_PDL)
+            prefetch_l2(tl.where(in_range[:, None], v_rows, v_base), USE_PDL)
+
     # Decode (flash-decoding), pass 1: program (sequence, kv head, split) attends the GROUP query heads of
     # its single new token to keys split*partition .. min((split+1)*partition, context_len). With one
     # split it writes the output; otherwise it writes the partial result acc/l and its log2-sum-exp
@@ -295,21 +312,13 @@ if triton is not None:
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr, SINGLE_SPLIT: tl.constexpr, SKIP_PREFIX: tl.constexpr, USE_PDL: tl.constexpr,
     ):
-        pdl_wait(USE_PDL)
+        # Before the wait, what the kernel before (qkv's product, storing this step's K and V) cannot change: the
+        # batch's layout, written before the step, and where this piece's keys are; their lines are prefetched
+        # into L2, so the kernel's HBM latency runs under that kernel's tail.
         seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         token = tl.load(cu_query_lens_ptr + seq)
         query_len = tl.load(cu_query_lens_ptr + seq + 1) - token
         context_len = tl.load(context_lens_ptr + seq)
-        rows = tl.arange(0, BLOCK_G)
-        head = kv_head * GROUP + rows
-        row_valid = rows < GROUP
-        offs_d = tl.arange(0, HEAD_DIM)
-        token = token.to(tl.int64)
-        out_ptrs = out_ptr + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        if SINGLE_SPLIT:  # with several splits the combine kernel writes the zeros
-            if (context_len <= 0) & (query_len > 0):
-                zeros = tl.zeros([BLOCK_G, HEAD_DIM], dtype=out_ptr.dtype.element_ty)
-                tl.store(out_ptrs, zeros, mask=row_valid[:, None])
         if SKIP_PREFIX:
             key_start = tl.load(prefix_len_ptr)
             num_slots = num_prefix_splits + num_splits
@@ -320,13 +329,28 @@ if triton is not None:
             first_slot = 0
         partition = _split_partition(context_len - key_start, num_splits, min_partition, BLOCK_N)
         start = key_start + split * partition
+        end = tl.minimum(start + partition, context_len)
+        table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
+        _prefetch_tile(start, tl.where(query_len > 0, end, start), table_ptr, k_cache_ptr + kv_head * stride_kh,
+                       v_cache_ptr + kv_head * stride_vh, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N,
+                       BLOCK_SIZE, HEAD_DIM, USE_PDL)
+        pdl_wait(USE_PDL)
+
+        rows = tl.arange(0, BLOCK_G)
+        head = kv_head * GROUP + rows
+        row_valid = rows < GROUP
+        offs_d = tl.arange(0, HEAD_DIM)
+        token = token.to(tl.int64)
+        out_ptrs = out_ptr + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        if SINGLE_SPLIT:  # with several splits the combine kernel writes the zeros
+            if (context_len <= 0) & (query_len > 0):
+                zeros = tl.zeros([BLOCK_G, HEAD_DIM], dtype=out_ptr.dtype.element_ty)
+                tl.store(out_ptrs, zeros, mask=row_valid[:, None])
         if (query_len == 0) | (start >= context_len):
             return
-        end = tl.minimum(start + partition, context_len)
 
         q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=row_valid[:, None], other=0.0)
-        table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
         out, lse = _attend_keys(q, start, end, table_ptr, k_cache_ptr + kv_head * stride_kh,
                                 v_cache_ptr + kv_head * stride_vh, stride_kb, stride_ks, stride_vb, stride_vs,
                                 qk_scale, BLOCK_G, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
@@ -370,13 +394,20 @@ if triton is not None:
         HEADS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
         CASCADE: tl.constexpr, USE_PDL: tl.constexpr,
     ):
-        pdl_wait(USE_PDL)
+        # (the batch's layout and which slots hold pieces do not depend on the kernel before: read before the wait)
         seq = tl.program_id(0)
         heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
         head_ok = heads < num_q_heads
         token = tl.load(cu_query_lens_ptr + seq)
         query_len = tl.load(cu_query_lens_ptr + seq + 1) - token
         context_len = tl.load(context_lens_ptr + seq)
+        prefix_len = tl.load(prefix_len_ptr) if CASCADE else 0
+        num_slots = num_prefix_splits + num_splits
+        rows = (seq * num_q_heads + heads).to(tl.int64) * num_slots  # each (sequence, head) row's first slot
+        splits = tl.arange(0, BLOCK_SPLITS)
+        used, end = _slots_used(splits, context_len, prefix_len, num_splits, num_prefix_splits, min_partition,
+                                BLOCK_N, CASCADE)
+        pdl_wait(USE_PDL)
         offs_d = tl.arange(0, HEAD_DIM)
         out_ptrs = out_ptr + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         if query_len == 0:
@@ -384,12 +415,6 @@ if triton is not None:
         if context_len <= 0:
             tl.store(out_ptrs, tl.zeros([HEADS, HEAD_DIM], dtype=out_ptr.dtype.element_ty), mask=head_ok[:, None])
             return
-        prefix_len = tl.load(prefix_len_ptr) if CASCADE else 0
-        num_slots = num_prefix_splits + num_splits
-        rows = (seq * num_q_heads + heads).to(tl.int64) * num_slots  # each (sequence, head) row's first slot
-        splits = tl.arange(0, BLOCK_SPLITS)
-        used, end = _slots_used(splits, context_len, prefix_len, num_splits, num_prefix_splits, min_partition,
-                                BLOCK_N, CASCADE)
         lse = tl.load(partial_lse_ptr + rows[:, None] + splits[None, :], mask=head_ok[:, None] & used[None, :],
                       other=float("-inf"))
         top = tl.max(lse, axis=1)  # (exact in any order)

@@ -4,8 +4,8 @@ At batch 1 a decode step is about ten launch-bound kernels per layer, so the tim
 part of the step's. A kernel launched with PDL may be scheduled while the kernel before it on the stream
 is still running: it waits (griddepcontrol.wait) for that kernel to finish, and for its writes to be
 visible, before touching memory, then lets the next kernel be scheduled in turn (launch_dependents).
-Because every kernel waits before its first load or store, results are those of plain launches; only
-the launch latency overlaps, which shortens a batch-1 decode graph (figures, PDL on and off: benchmarks/RESULTS.md).
+Because every kernel waits before it reads what the kernel before writes, and before its first store, results are
+those of plain launches; only the launch latency, and the reads that cannot depend on the kernel before, overlap, which shortens a batch-1 decode graph (figures, PDL on and off: benchmarks/RESULTS.md).
 cuBLAS kernels launch as before. TINYVLLM_PDL=0 turns it off (to measure it, or to rule it out)."""
 
 from __future__ import annotations
@@ -49,7 +49,18 @@ if triton is not None:
 
     @triton.jit
     def pdl_wait(USE_PDL: tl.constexpr):
-        """The first statement of a PDL kernel: wait for the kernel before, then let the next one start."""
+        """A PDL kernel's wait for the kernel before (before its first store and its first read of what that kernel
+        writes), then the next kernel may start."""
         if USE_PDL:  # only ever True where gdc_wait was imported (pdl_options)
             gdc_wait()
             gdc_launch_dependents()
+
+    @triton.jit
+    def prefetch_l2(ptrs, USE_PDL: tl.constexpr):
+        """Before pdl_wait: have L2 fetch the lines at ptrs (a tensor of pointers, one per line wanted), so that the
+        loads after the wait find them there instead of in HBM. Safe even for lines the kernel before is writing:
+        a prefetch fills L2 only, and L2 is where every SM's writes go. Nothing without PDL (nor under the
+        interpreter, which runs no PTX)."""
+        if USE_PDL:
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                      is_pure=False, pack=1)
