@@ -132,9 +132,10 @@ if triton is not None:
                 acc = gate / (1.0 + tl.exp(-gate)) * up
             if ROPE:
                 _rope_store(y_ptr + m * stride_y, acc, tl.sum(w_2.to(tl.float32) * a, axis=1) * scale, rows, rows_2,
-                            head, j, n_mask, tl.load(positions_ptr + m).to(tl.int64), tl.load(slot_ptr + m).to(tl.int64),
-                            cos_sin_ptr, k_cache_ptr, v_cache_ptr, stride_cs, stride_kb, stride_ks, stride_kh,
-                            stride_vb, stride_vs, stride_vh, block_size, num_q_heads, num_kv_heads, HALF)
+                            head, j, n_mask, tl.load(positions_ptr + m).to(tl.int64),
+                            tl.load(slot_ptr + m).to(tl.int64), cos_sin_ptr, k_cache_ptr, v_cache_ptr, stride_cs,
+                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, block_size, num_q_heads,
+                            num_kv_heads, HALF)
             else:
                 tl.store(y_ptr + m * stride_y + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
