@@ -54,7 +54,6 @@ CASES = [
     ("tinyvllm.ops.decode_inputs", "_unpack_decode_inputs_kernel", dict(BLOCK=256, USE_PDL=True),
      {"input_ids_ptr": "*i64", "pending_ptr": "*i64", "tokens_ptr": "*i64", "packed_ptr": "*i32",
       "width_ptr": "*i32", "tables_ptr": "*i32"}, 1),
-    ("tinyvllm.ops.prefetch", "_prefetch_kernel", dict(ELEMS=64, LINES=1024, USE_PDL=True), {}, 4),
     # The GEMV at the 1B's shapes: qkv with the norm and RoPE + KV store (K 2048, 2 pairs of rows) and without it,
     # gate_up with the norm and SiLU·mul, down (K 8192, 1 row): 16 KB of weights per program.
     *[("tinyvllm.ops.gemv", "_gemv_kernel", dict(BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm, HAS_RESIDUAL=norm,

@@ -44,8 +44,7 @@ def test_forced_decode_kernels_match_the_separate_ops(checkpoint: str, monkeypat
     without a residual, the residual stream between layers, gate_up's SiLU·mul, o and down plain, and the greedy
     step through the LM head's argmax (ModelRunner.sample, with its rows padded as on CUDA too: three sequences on
     four rows) give the hidden states and tokens of the plain path. With the projections output-major, as the
-    loader keeps them on CUDA for the decode kernels, the decode steps run them on the GEMV, and each layer asks
-    for the L2 prefetch of the weights after attention."""
+    loader keeps them on CUDA for the decode kernels, the decode steps run them on the GEMV."""
     pytest.importorskip("triton")
     from tinyvllm.model.llama import Linear
     from tinyvllm.ops.fused_linear import fused_linear_triton, fused_norm_linear_triton, linear_argmax_triton
@@ -74,12 +73,9 @@ def test_forced_decode_kernels_match_the_separate_ops(checkpoint: str, monkeypat
     monkeypatch.setattr(ops, "fused_linear", counted("fused_linear", fused_linear_triton))
     monkeypatch.setattr(ops, "fused_norm_linear", counted("fused_norm_linear", fused_norm_linear_triton))
     monkeypatch.setattr(ops, "linear_argmax", counted("linear_argmax", linear_argmax_triton))
-    prefetched: list[int] = []  # (the tensors of each L2 prefetch: o_proj's weight, gate's and up's first rows)
-    monkeypatch.setattr(ops, "prefetch_l2", lambda *tensors: prefetched.append(len(tensors)))
     layers = model.config.num_layers
     fused_logits = our_logits(llm, PROMPT)
     assert sorted(calls) == ["fused_linear"] * 2 * layers + ["fused_norm_linear"] * 2 * layers
-    assert prefetched == ([3] * layers if layout == "output-major" else [])  # (only weights the kernels read in order)
     assert not gemv_calls  # (5 tokens: more rows than the GEMV takes)
     torch.testing.assert_close(fused_logits, plain_logits, atol=1e-4, rtol=1e-4)
     with torch.inference_mode():

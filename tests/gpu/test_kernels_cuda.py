@@ -23,7 +23,6 @@ import torch
 pytest.importorskip("triton")
 
 from tests.utils import CUDA_ONLY, attention_metadata  # noqa: E402
-from tinyvllm import ops  # noqa: E402
 from tinyvllm.ops.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from tinyvllm.ops.attention import AttentionMetadata, paged_attention_ref, paged_attention_triton  # noqa: E402
 from tinyvllm.ops.cascade_attention import cascade_attention_triton  # noqa: E402
@@ -387,30 +386,6 @@ def test_decode_attention_reads_the_kv_stored_just_before(m: int, cos_sin_cache:
         torch.cuda.synchronize()
         ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, scale)
         assert_close(f"attention after the KV store, M={m}, replay {replay} (seed {seed})", out, ref, dtype)
-
-
-def test_prefetch_l2_changes_nothing() -> None:
-    """ops.prefetch_l2 over a layer's next weights (o_proj's, the first gate and up rows), eagerly and in a CUDA
-    graph, between two kernels: the weights and the next kernel's result are as without it."""
-    generator, seed = fresh_generator()
-    o = rand(HIDDEN, HIDDEN, generator=generator, dtype=torch.bfloat16)
-    gate_up = rand(2 * INTERMEDIATE, HIDDEN, generator=generator, dtype=torch.bfloat16)
-    x = rand(1, HIDDEN, generator=generator, dtype=torch.bfloat16)
-    weights = (o, gate_up[:2048], gate_up[INTERMEDIATE:INTERMEDIATE + 2048])
-    copies = [w.clone() for w in (o, gate_up)]
-
-    def step() -> torch.Tensor:
-        y = fused_linear_triton(x, o)
-        ops.prefetch_l2(*weights)
-        return fused_linear_triton(y, o)
-
-    ref = fused_linear_triton(fused_linear_triton(x, o), o)
-    assert torch.equal(step(), ref), f"seed {seed}"
-    graph, out = captured(step)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, ref), f"seed {seed}"
-    assert all(torch.equal(w, c) for w, c in zip((o, gate_up), copies)), f"seed {seed}"
 
 
 def test_unpack_decode_inputs_in_cuda_graph() -> None:

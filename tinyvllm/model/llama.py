@@ -186,10 +186,6 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    # Bytes of gate_up's weight (the first gate rows and as many up rows: what its first programs read) that
-    # next_weights adds to o_proj's for the L2 prefetch during attention (ops.prefetch_l2)
-    MLP_PREFETCH_BYTES = 16 << 20
-
     def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -197,23 +193,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp)
 
-    def next_weights(self) -> tuple[torch.Tensor, ...]:
-        """What the products after attention read first, as contiguous views: o_proj's weight, then the first
-        rows of gate and of up in the merged gate_up weight; only the output-major ones (the decode kernels'
-        layout: on cuBLAS a product reads its weight in another order)."""
-        gate_up = self.mlp.gate_up_proj.weight
-        half = gate_up.shape[0] // 2
-        rows = min(half, self.MLP_PREFETCH_BYTES // (2 * gate_up.shape[1] * gate_up.element_size()))
-        views = (self.self_attn.o_proj.weight, gate_up[:rows], gate_up[half:half + rows])
-        return tuple(view for view in views if view.is_contiguous())
-
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 cos_sin: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         attn = self.self_attn
         rope = attn.rope(positions, cos_sin, meta)
         qkv, residual = self.input_layernorm.project(x, residual, attn.qkv_proj, rope=rope)
-        if self.mlp.gate_up_proj.uses_decode_kernel(x) and (weights := self.next_weights()):
-            ops.prefetch_l2(*weights)  # (batch 1: HBM would idle through attention)
         x = attn(qkv, meta)
         gated, residual = self.post_attention_layernorm.project(x, residual, self.mlp.gate_up_proj, silu_and_mul=True)
         return self.mlp.down_proj(gated), residual

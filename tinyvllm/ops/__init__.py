@@ -22,7 +22,6 @@ from tinyvllm.ops.embedding import embedding_ref
 from tinyvllm.ops.fused_linear import fused_linear_ref, fused_norm_linear_ref, linear_argmax_ref
 from tinyvllm.ops.layernorm import fused_add_rms_norm_ref, rms_norm_ref
 from tinyvllm.ops.linear import skinny_matmul_ref
-from tinyvllm.ops.prefetch import prefetch_l2_ref
 from tinyvllm.ops.rotary import RopeStore, build_cos_sin_cache, rope_store_ref
 from tinyvllm.ops.sampling import sample_ref
 
@@ -43,7 +42,6 @@ __all__ = [
     "silu_and_mul",
     "skinny_matmul",
     "paged_attention",
-    "prefetch_l2",
     "sample",
     "triton_available",
     "unpack_decode_inputs",
@@ -148,7 +146,6 @@ fused_add_rms_norm = _dispatch("fused_add_rms_norm", fused_add_rms_norm_ref)
 rope_store = _dispatch("rope_store", rope_store_ref)
 silu_and_mul = _dispatch("silu_and_mul", silu_and_mul_ref)
 skinny_matmul = _dispatch("skinny_matmul", skinny_matmul_ref)
-prefetch_l2 = _dispatch("prefetch_l2", prefetch_l2_ref)
 _plain_attention = _dispatch("paged_attention", paged_attention_ref)
 _cascade_attention = _dispatch("cascade_attention", cascade_attention_ref)
 

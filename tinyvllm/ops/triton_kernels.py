@@ -14,7 +14,6 @@ from tinyvllm.ops.cascade_attention import cascade_attention_triton
 from tinyvllm.ops.decode_inputs import unpack_decode_inputs_triton
 from tinyvllm.ops.embedding import embedding_triton
 from tinyvllm.ops.layernorm import fused_add_rms_norm_triton, rms_norm_triton
-from tinyvllm.ops.prefetch import prefetch_l2_triton
 from tinyvllm.ops.rotary import rope_store_triton
 from tinyvllm.ops.sampling import sample_triton
 
@@ -28,5 +27,4 @@ KERNELS: dict[str, Callable[..., Any]] = {
     "cascade_attention": cascade_attention_triton,
     "sample": sample_triton,
     "unpack_decode_inputs": unpack_decode_inputs_triton,
-    "prefetch_l2": prefetch_l2_triton,
 }
