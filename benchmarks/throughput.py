@@ -58,6 +58,8 @@ def summarize_trace(records: list, max_num_seqs: int = 256) -> dict[str, float]:
         if group:
             out[f"{name} ms/step"] = 1e3 * out[f"{name} s"] / len(group)
             out[f"{name} host ms/step"] = sum(s.host_ms for s, _ in group) / len(group)
+            for phase in ("schedule", "launch", "update", "wait"):
+                out[f"{name} {phase} ms/step"] = sum(getattr(s, f"{phase}_ms") for s, _ in group) / len(group)
             gpu = [s.gpu_ms for s, _ in group if s.gpu_ms is not None]
             if gpu:
                 out[f"{name} GPU ms/step"] = sum(gpu) / len(gpu)
@@ -92,6 +94,10 @@ def print_trace(summary: dict[str, float]) -> None:
         if name == "mixed":
             line += f" ({summary['mixed prefill tokens']} prefill + {summary['mixed decode tokens']} decode tokens)"
         print(line)
+        if name == "mixed":  # (where a prompt step's host time goes)
+            print(" " * 8 + "host: " + ", ".join(f"{phase} {summary[f'mixed {phase} ms/step']:.3f}"
+                                                   for phase in ("schedule", "launch", "update"))
+                  + f" ms; waiting for its tokens {summary['mixed wait ms/step']:.3f} ms")
 
 
 def main() -> None:
