@@ -106,7 +106,7 @@ if triton is not None:
             w_2 = tl.load(w_ptr + rows_2.to(tl.int64)[:, None] * stride_w + offs_k[None, :], mask=w_mask,
                           other=0.0, eviction_policy="evict_first")
         norm_weight = tl.zeros((BLOCK_K,), dtype=x_ptr.dtype.element_ty)
-        if NORM:  # (a weight too: loaded before the wait)
+        if NORM:  # (a weight too: it does not depend on the kernel before either)
             norm_weight = tl.load(norm_weight_ptr + offs_k, mask=k_mask, other=0.0)
         pdl_wait(USE_PDL)
 

@@ -4,10 +4,11 @@ At batch 1 a decode step is about ten launch-bound kernels per layer, so the tim
 part of the step's. A kernel launched with PDL may be scheduled while the kernel before it on the stream
 is still running: it waits (griddepcontrol.wait) for that kernel to finish, and for its writes to be
 visible, before it stores anything or reads what that kernel writes, then lets the next kernel be scheduled in
-turn (launch_dependents). So when a kernel starts, the kernel two before it has finished: what only earlier
-kernels or the host wrote (weights, the batch's layout, older tokens' K/V) may be read before the wait. Results
-are those of plain launches; only the launch latency and those reads overlap the kernel before, which shortens a
-batch-1 decode graph (figures, PDL on and off: benchmarks/RESULTS.md).
+turn (launch_dependents). So when a kernel starts, the kernel two before it has finished (ours all wait, in
+every program; cuBLAS's kernels launch without PDL): what only earlier kernels or the host wrote (weights, the
+batch's layout, older tokens' K/V) may be read before the wait. Results are those of plain launches; only the
+launch latency and those reads overlap the kernel before, which shortens a batch-1 decode graph (figures, PDL
+on and off: benchmarks/RESULTS.md).
 cuBLAS kernels launch as before. TINYVLLM_PDL=0 turns it off (to measure it, or to rule it out)."""
 
 from __future__ import annotations
