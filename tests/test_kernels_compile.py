@@ -1,7 +1,8 @@
 """The attention, sampling, decode-input and GEMV kernels compile for Hopper (sm_90) with Triton's own compiler, which
 needs no GPU, in a process without the interpreter: the interpreter runs kernels as Python, so what only the
 compiler refuses (a branch that is not static, mismatched types between branches, a shape it cannot lay out) would
-first show on the device. Each compiled kernel must wait for the kernel before it (programmatic dependent launch)."""
+first show on the device. Each compiled kernel must wait for the kernel before it (programmatic dependent launch);
+decode attention must prefetch its first keys into L2 before that wait."""
 
 from __future__ import annotations
 
@@ -28,7 +29,10 @@ for module, name, constants, pointers, num_warps in json.loads(sys.argv[1]):
             signature[arg] = "fp32" if arg in ("qk_scale", "eps") else "i32"
     compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": 3})
-    assert "griddepcontrol.wait" in compiled.asm["ptx"], f"{name} {constants}: no PDL wait"
+    ptx = compiled.asm["ptx"]
+    assert "griddepcontrol.wait" in ptx, f"{name} {constants}: no PDL wait"
+    if name == "_paged_decode_kernel":  # its first keys are asked of L2 while the kernel before finishes
+        assert -1 < ptx.find("prefetch.global.L2") < ptx.index("griddepcontrol.wait"), f"{constants}: no prefetch"
     count += 1
 print("compiled", count)
 """
