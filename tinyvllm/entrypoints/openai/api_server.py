@@ -8,7 +8,7 @@ is streamed, so a bad one gets a 400 and leaves the others alone. Its body is ca
 --max-request-body-mb), and what costs time in proportion to it (JSON parsing, validation, tokenizing, chat
 templates) runs on one input thread of the app's own, so that the event loop keeps answering the other
 requests meanwhile: one thread, because the server's copy of the tokenizer must not be used by two at
-once. Every way a response can end early (the client went away, the server is shutting down) aborts its
+once. (A small body is handled on the loop itself when that thread is idle: the hand-offs would cost more.) Every way a response can end early (the client went away, the server is shutting down) aborts its
 engine requests, which frees their KV blocks. Each request is logged (method, path, status, milliseconds)
 unless --no-access-log. This module imports fastapi, uvicorn and prometheus_client: only `tinyvllm serve`
 loads it."""
@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +54,9 @@ access_logger = logging.getLogger("tinyvllm.access")
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 T = TypeVar("T")
+
+# A body up to this size is parsed and handled on the event loop when the input thread is idle (see prepare).
+INLINE_BODY_BYTES = 4096
 
 # Paths anyone may read even when the server has an API key (as vLLM: probes and scrapers hold no key).
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
@@ -204,10 +208,24 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
             inputs.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(engine.shutdown)
 
+    handling = threading.Lock()  # held while a handler runs (they share the server's tokenizer)
+
     async def prepare(raw_request: Request, model: type[BodyT], handle: Callable[[BodyT], T]) -> T:
-        """`handle(body)` for the request's body as `model`, parsed and handled on the input thread."""
+        """`handle(body)` for the request's body as `model`, parsed and handled on the input thread; or right
+        here on the event loop, for a small body while no handler runs: such work takes less time than the
+        two hand-offs between threads would (each a wake-up, and a wait for the GIL)."""
         raw = await raw_request.body()
-        return await asyncio.get_running_loop().run_in_executor(inputs, lambda: handle(parse_body(raw, model)))
+        if len(raw) <= INLINE_BODY_BYTES and handling.acquire(blocking=False):
+            try:
+                return handle(parse_body(raw, model))
+            finally:
+                handling.release()
+
+        def job() -> T:
+            with handling:
+                return handle(parse_body(raw, model))
+
+        return await asyncio.get_running_loop().run_in_executor(inputs, job)
 
     app = FastAPI(title="tinyvllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     # (the last added runs first: the access log sees every request, the API key is checked before the body)

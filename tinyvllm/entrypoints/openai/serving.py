@@ -3,8 +3,9 @@ of the completion and chat handlers (model check, prompts through the engine's i
 parameters, running a request to its end), which also answers /v1/models, /tokenize and /detokenize.
 
 A handler works in two halves: `prepare(body)` does everything that takes CPU time in proportion to the
-request (checks, tokenizing, the chat template) and runs on the server's one input thread, never on the
-event loop; the async half queues the engine requests and answers, on the event loop."""
+request (checks, tokenizing, the chat template) and runs on the server's one input thread (or, for a small
+body while that thread is idle, on the event loop); the async half queues the engine requests and answers, on
+the event loop."""
 
 from __future__ import annotations
 
