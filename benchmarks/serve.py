@@ -147,7 +147,9 @@ def offline(path: str, levels: list[tuple[int, list[list[int]], list[list[int]]]
     """The peer: LLM.generate on each level's prompts (concurrency, prompts, warm-up prompts), with the same
     warm-up the server had. A level below max_num_seqs runs its prompts `concurrency` at a time, so that its
     batch, and so its decode step, is the server's; TTFT and TPOT per request from RequestOutput.metrics, as
-    the client measures them (TPOT: (last token - first token) / (tokens - 1))."""
+    the client measures them (TPOT: (last token - first token) / (tokens - 1)). Where one call holds more prompts
+    than seats, a prompt's TTFT counts from when it was seated, not from the call: the server's clients send a
+    request only once one of theirs has finished, so their TTFT holds no wait for a seat either."""
     import statistics
 
     from tinyvllm import LLM, SamplingParams
@@ -164,7 +166,9 @@ def offline(path: str, levels: list[tuple[int, list[list[int]], list[list[int]]]
         outputs = [o for group in groups for o in llm.generate(group, params, use_tqdm=False)]
         seconds = time.perf_counter() - start
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-        ttft = [(o.metrics.first_token_time - o.metrics.arrival_time) * 1e3 for o in outputs]
+        queued = len(groups[0]) > concurrency
+        ttft = [(o.metrics.first_token_time - (o.metrics.first_scheduled_time if queued else o.metrics.arrival_time))
+                * 1e3 for o in outputs]
         tpot = [(o.metrics.last_token_time - o.metrics.first_token_time) * 1e3 / (len(o.outputs[0].token_ids) - 1)
                 for o in outputs if len(o.outputs[0].token_ids) > 1]
         results.append({"concurrency": concurrency, "requests": len(prompts), "output_tokens": generated,
