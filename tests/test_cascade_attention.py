@@ -110,6 +110,26 @@ def test_cascade_equals_plain_kernel_and_reference(case: str) -> None:
     _close(out, paged_decode_triton(q, k_cache, v_cache, _plain(meta), scale))
 
 
+@pytest.mark.parametrize("kernel", ["triton", "reference"])
+def test_attention_writes_into_out(kernel: str) -> None:
+    """`out=` (the piecewise CUDA graphs pass their shared buffer): a prefill batch, a decode batch and a cascade
+    decode batch each write their result there, equal to the result returned without it."""
+    from tinyvllm.ops.attention import paged_attention_triton
+    from tinyvllm.ops.cascade_attention import cascade_attention_ref
+
+    plain = paged_attention_triton if kernel == "triton" else paged_attention_ref
+    cascade = cascade_attention_triton if kernel == "triton" else cascade_attention_ref
+    q, k_cache, v_cache, meta = shared_prefix_batch(32, [3, 1, 20], 4, 2)
+    prefill = AttentionMetadata.for_cached([4, 1, 7], [9, 33, 7], meta.block_tables)
+    prefill_q = torch.randn(12, 4, q.shape[-1])
+    for attend, args in ((plain, (prefill_q, k_cache, v_cache, prefill)), (plain, (q, k_cache, v_cache, _plain(meta))),
+                         (cascade, (q, k_cache, v_cache, meta))):
+        expected = attend(*args, 0.2)
+        out = torch.full(expected.shape, float("nan"))
+        assert attend(*args, 0.2, out=out) is out
+        _close(out, expected)
+
+
 def test_cascade_idle_and_padding_rows() -> None:
     """A sequence without a token this step is left alone and a padding row (context 0) gets zeros."""
     q, k_cache, v_cache, meta = shared_prefix_batch(32, [3, 1, 20], 4, 2, idle=(1,), padding=2)

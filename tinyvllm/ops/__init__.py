@@ -151,12 +151,13 @@ _cascade_attention = _dispatch("cascade_attention", cascade_attention_ref)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
-    """Attention over the paged cache (paged_attention_ref's contract); a decode step whose sequences share a
-    prefix of blocks (meta.common_prefix_len) goes through cascade attention, which reads that prefix once."""
+                    scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention over the paged cache (paged_attention_ref's contract), into `out` if given; a decode step whose
+    sequences share a prefix of blocks (meta.common_prefix_len) goes through cascade attention, which reads that
+    prefix once."""
     if meta.common_prefix_len is not None and meta.is_decode:
-        return _cascade_attention(q, k_cache, v_cache, meta, scale)
-    return _plain_attention(q, k_cache, v_cache, meta, scale)
+        return _cascade_attention(q, k_cache, v_cache, meta, scale, out=out)
+    return _plain_attention(q, k_cache, v_cache, meta, scale, out=out)
 
 
 sample = _dispatch("sample", sample_ref)

@@ -59,16 +59,19 @@ class AttentionMetadata:
 
 
 def paged_attention_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] -> out [T, Hq, D]: each new token attends causally to every earlier token of its
-    sequence in the cache (its own K/V included, already stored), grouped-query heads sharing KV."""
+    sequence in the cache (its own K/V included, already stored), grouped-query heads sharing KV. `out`: where
+    to write it (a new tensor if None)."""
     if meta.is_decode and q.shape[0] == meta.num_seqs:
-        return _decode_ref(q, k_cache, v_cache, meta, scale)
+        result = _decode_ref(q, k_cache, v_cache, meta, scale)
+        return result if out is None else out.copy_(result)
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     block_size = k_cache.shape[1]
     group = num_q_heads // k_cache.shape[2]
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     cu = meta.cu_query_lens.tolist()
     context_lens = meta.context_lens.tolist()
     for i, context_len in enumerate(context_lens):
@@ -472,12 +475,12 @@ def decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
 
 def paged_prefill_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    config: PrefillConfig | None = None,
+    config: PrefillConfig | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The FlashAttention-2 path of paged_attention_triton, for any mix of query lengths. `config`
     overrides prefill_config (tests use small tiles to exercise many tiles on tiny inputs)."""
     group = _check_shapes(q, k_cache, v_cache)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     block_m, block_n, num_warps, num_stages = config or prefill_config(q.shape[2], group, q.dtype)
     if group > block_m:
         raise ValueError(f"block_m={block_m} must hold at least the {group} query heads of one KV head")
@@ -518,14 +521,14 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int) ->
 
 def paged_decode_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    num_splits: int | None = None, config: DecodeConfig | None = None,
+    num_splits: int | None = None, config: DecodeConfig | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The flash-decoding path of paged_attention_triton (every sequence has query_len <= 1).
     num_splits overrides decode_num_splits, and then pieces may be as short as BLOCK_N (tests force
     several splits on tiny contexts); config overrides decode_config."""
     _check_shapes(q, k_cache, v_cache)
     num_seqs, num_q_heads, num_kv_heads, head_dim = meta.num_seqs, q.shape[1], k_cache.shape[2], q.shape[2]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if q.shape[0] == 0 or num_seqs == 0:
         return out
     block_n, num_warps, num_stages = config or decode_config(head_dim, q.dtype)
@@ -601,10 +604,11 @@ def combine_heads(num_seqs: int, num_q_heads: int) -> int:
 
 
 def paged_attention_triton(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton kernels of paged_attention_ref: flash-decoding when every sequence adds one token,
     FlashAttention-2 over the paged cache otherwise. Grids depend on Python ints only (no host syncs)."""
     if meta.is_decode:
-        return paged_decode_triton(q, k_cache, v_cache, meta, scale)
-    return paged_prefill_triton(q, k_cache, v_cache, meta, scale)
+        return paged_decode_triton(q, k_cache, v_cache, meta, scale, out=out)
+    return paged_prefill_triton(q, k_cache, v_cache, meta, scale, out=out)

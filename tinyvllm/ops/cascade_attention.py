@@ -127,7 +127,8 @@ def merge_attention_ref(
 
 
 def cascade_attention_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """paged_attention_ref computed as cascade attention computes it, for a decode step with meta.common_prefix_len
     set (ops.paged_attention sends only those here): the shared prefix (block_tables[0]'s first common_prefix_len
@@ -137,9 +138,10 @@ def cascade_attention_ref(
         raise ValueError(f"common_prefix_len={prefix_len} is not a whole number of {k_cache.shape[1]}-token blocks")
     prefix = cascade_prefix_ref(q, k_cache, v_cache, meta.block_tables[0], prefix_len, scale)
     suffix = cascade_suffix_ref(q, k_cache, v_cache, meta, prefix_len, scale)
-    out = merge_attention_ref(*prefix, *suffix)
+    merged = merge_attention_ref(*prefix, *suffix)
     has_keys = meta.context_lens[_token_seqs(meta)] > 0  # a padding row (context 0) attends to nothing: zeros
-    return torch.where(has_keys[:, None, None], out, torch.zeros_like(out)).to(q.dtype)
+    result = torch.where(has_keys[:, None, None], merged, torch.zeros_like(merged)).to(q.dtype)
+    return result if out is None else out.copy_(result)
 
 
 # ---------------------------------------------------------------------------------------------- Triton kernels
@@ -269,12 +271,12 @@ def cascade_partials_triton(
 
 def cascade_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    plan: CascadePlan | None = None,
+    plan: CascadePlan | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton kernels of cascade_attention_ref (a decode step with meta.common_prefix_len set): the prefix
     pass, the suffix pass and the combine, three launches and no host syncs. `plan` overrides cascade_plan."""
     _check_shapes(q, k_cache, v_cache)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if q.shape[0] == 0 or meta.num_seqs == 0:
         return out
     plan = plan or cascade_plan(q, k_cache, meta)
