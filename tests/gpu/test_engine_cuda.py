@@ -236,19 +236,22 @@ def generated(llm: Any, prompts: list[list[int]], params: Any) -> list[list[int]
 
 
 def test_padded_shapes_change_no_token(llama_1b: str) -> None:
-    """float32: a first step past the graphs' 2,048 tokens (run padded to a multiple of 256) and the LM head's
-    rows padded up their ladder give the tokens of the same steps run unpadded (prefix caching off, so that
-    both runs take the same steps)."""
+    """float32: a first step of 2,409 prompt tokens through the piecewise graphs (padded up their ladder to 2,560
+    tokens), the same step run eagerly padded to a multiple of 256 (as steps past the graphs' 8,192 tokens run, and
+    every step with enforce_eager), and the LM head's rows padded up their ladder give the tokens of the same steps
+    run eagerly unpadded (prefix caching off, so that every run takes the same steps)."""
     from tinyvllm import SamplingParams
 
     with float32_llm(llama_1b, max_model_len=4096, max_num_batched_tokens=4096, enable_prefix_caching=False) as llm:
         prompts = [[(i * 31 + j * 7) % 10000 for j in range(n)] for i, n in enumerate((2100, 9, 300))]
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         runner = llm.llm_engine.engine_core.model_runner
-        assert runner.fixed_shapes
+        assert runner.fixed_shapes and runner.piecewise_graphs.fits(2409)
+        through_graphs = generated(llm, prompts, params)
+        runner.piecewise_graphs = None
         padded = generated(llm, prompts, params)
         runner.fixed_shapes = False
-        assert padded == generated(llm, prompts, params)
+        assert through_graphs == padded == generated(llm, prompts, params)
 
 
 def test_decode_graphs_end_in_the_same_tokens(llama_1b: str) -> None:

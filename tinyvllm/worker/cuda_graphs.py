@@ -222,22 +222,25 @@ class _Pieces:
     output: torch.Tensor | None = None
 
 
-PIECEWISE_MAX_TOKENS = 2048  # the largest step the piecewise graphs take
+PIECEWISE_MAX_TOKENS = 8192  # the largest step the piecewise graphs take (max_num_batched_tokens' default)
 
 
 class PiecewiseCudaGraphs:
     """CUDA graphs for steps with prompt tokens (a prompt chunk among decodes, as a server's steps are while
-    requests keep arriving), up to a few thousand tokens: everything but attention, one graph per piece between
-    two attention calls, per token count of a ladder. Attention runs eagerly between the pieces, with the step's
-    own metadata (its grid depends on the sequences and their query lengths, which a graph cannot change). So
-    such a step costs a replay and an attention launch per layer instead of tens of launches: on a slow host,
-    launching an eager step took longer than the GPU ran it. Padding tokens (to the ladder's size) store no K/V
+    requests keep arriving, or a whole budget of prompt tokens), up to PIECEWISE_MAX_TOKENS tokens: everything but
+    attention, one graph per piece between two attention calls, per token count of a ladder. Attention runs
+    eagerly between the pieces, with the step's own metadata (its grid depends on the sequences and their query
+    lengths, which a graph cannot change). So such a step costs a replay and an attention launch per layer
+    instead of tens of launches: on a slow host, launching an eager step took longer than the GPU ran it, and a
+    step of prompts launched after the step before had finished on the GPU (async scheduling hides only what is
+    shorter than that step). Padding tokens (to the ladder's size) store no K/V
     (slot -1) and attend to nothing; every other op works row by row, so they cannot touch the real ones."""
 
     @torch.inference_mode()
     def __init__(self, model: torch.nn.Module, max_num_tokens: int, device: torch.device,
                  pool: tuple[int, int] | None = None) -> None:
-        ladder = [*range(64, 512, 64), *range(512, 1024, 128), *range(1024, PIECEWISE_MAX_TOKENS + 1, 256)]
+        ladder = [*range(64, 512, 64), *range(512, 1024, 128), *range(1024, 2048, 256),
+                  *range(2048, PIECEWISE_MAX_TOKENS + 1, 512)]
         self.token_counts = sorted({t for t in ladder if t < max_num_tokens}
                                    | {min(max_num_tokens, PIECEWISE_MAX_TOKENS)})
         top = self.token_counts[-1]
@@ -317,7 +320,7 @@ class PiecewiseCudaGraphs:
         assert self.query is not None and self.attn_out is not None
         for graph, (k_cache, v_cache, scale) in zip(pieces.graphs, pieces.attention):
             graph.replay()
-            self.attn_out[:n] = ops.paged_attention(self.query[:n], k_cache, v_cache, meta, scale)
+            ops.paged_attention(self.query[:n], k_cache, v_cache, meta, scale, out=self.attn_out[:n])
         pieces.graphs[-1].replay()
         assert pieces.output is not None
         return pieces.output[:n]

@@ -19,7 +19,7 @@ from tinyvllm.contract import SchedulerOutput
 from tinyvllm.distributed import TensorParallel
 from tinyvllm.ops import AttentionMetadata
 from tinyvllm.ops.cascade_attention import common_prefix_len, use_cascade_attention
-from tinyvllm.worker.cuda_graphs import PIECEWISE_MAX_TOKENS, CudaGraphs, PiecewiseCudaGraphs, size_ladder
+from tinyvllm.worker.cuda_graphs import CudaGraphs, PiecewiseCudaGraphs, size_ladder
 from tinyvllm.worker.input_batch import LOGPROBS, MIN_TOKENS, PENALTIES, InputBatch
 from tinyvllm.worker.kv_cache import decide_num_blocks
 from tinyvllm.worker.sampler import AsyncModelRunnerOutput, Sampler, SamplingTensors, step_seeds
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 # would be a whole forward pass). Padding tokens store no K/V (slot -1) and belong to no sequence; every op but
 # attention works row by row, so they never touch the real rows.
 EAGER_TOKEN_MULTIPLE = 256
-EAGER_PADDING_ABOVE = PIECEWISE_MAX_TOKENS  # smaller steps run through the graphs, or as they are (eager mode)
+EAGER_PADDING_ABOVE = 2048  # smaller steps run through the piecewise graphs, or as they are (eager mode)
 WARM_UP_MAX_TOKENS = 8192
 
 
@@ -115,7 +115,7 @@ class ModelRunner:
         empty = torch.zeros(1, dtype=torch.int32, device=self.device)
         top = min(self.config.max_num_batched_tokens, WARM_UP_MAX_TOKENS)
         sizes = sorted({padded_num_tokens(n, self.config.max_num_batched_tokens)
-                        for n in range(EAGER_PADDING_ABOVE + 1, top + 1)})
+                        for n in range(EAGER_PADDING_ABOVE + 1, top + 1) if not self._runs_in_graphs(n)})
         for n in sizes:
             tokens = torch.zeros(n, dtype=torch.int64, device=self.device)
             meta = AttentionMetadata(empty, empty, empty.view(1, 1), torch.full_like(tokens, -1), 1, 1,
