@@ -233,8 +233,8 @@ class PiecewiseCudaGraphs:
     lengths, which a graph cannot change). So such a step costs a replay and an attention launch per layer
     instead of tens of launches: on a slow host, launching an eager step took longer than the GPU ran it, and a
     step of prompts launched after the step before had finished on the GPU (async scheduling hides only what is
-    shorter than that step). Padding tokens (to the ladder's size) store no K/V
-    (slot -1) and attend to nothing; every other op works row by row, so they cannot touch the real ones."""
+    shorter than that step). Padding tokens (to the ladder's size) store no K/V (slot -1) and attend to nothing;
+    every other op works row by row, so they cannot touch the real ones."""
 
     @torch.inference_mode()
     def __init__(self, model: torch.nn.Module, max_num_tokens: int, device: torch.device,

@@ -8,9 +8,10 @@ is streamed, so a bad one gets a 400 and leaves the others alone. Its body is ca
 --max-request-body-mb), and what costs time in proportion to it (JSON parsing, validation, tokenizing, chat
 templates) runs on one input thread of the app's own, so that the event loop keeps answering the other
 requests meanwhile: one thread, because the server's copy of the tokenizer must not be used by two at
-once. (A small body is handled on the loop itself when that thread is idle: the hand-offs would cost more.) Every way a response can end early (the client went away, the server is shutting down) aborts its
-engine requests, which frees their KV blocks. Each request is logged (method, path, status, milliseconds)
-unless --no-access-log. This module imports fastapi, uvicorn and prometheus_client: only `tinyvllm serve`
+once. (A small body is handled on the loop itself when that thread is idle: the hand-offs would cost more.)
+Every way a response can end early (the client went away, the server is shutting down) aborts its engine
+requests, which frees their KV blocks. Each request is logged (method, path, status, milliseconds) unless
+--no-access-log. This module imports fastapi, uvicorn and prometheus_client: only `tinyvllm serve`
 loads it."""
 
 import argparse
