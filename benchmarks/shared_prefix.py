@@ -4,7 +4,7 @@ and off, in the same run. `--cascade-off` adds a run with prefix caching on and 
 steps then read the shared prefix once per sequence) and prints the cascade on/off ratio. `--small` is the
 scaled-down CPU version on the embedded model. `--plot FILE` draws each run's steps (FILE-caching-on.png,
 FILE-caching-off.png, and FILE-caching-on-cascade-off.png); `--trace` prints where each run's steps spent their
-time."""
+time; `--repeat N` runs each configuration N times, alternating, and compares the medians."""
 
 from __future__ import annotations
 
@@ -49,6 +49,9 @@ def main() -> None:
                         help="also run with prefix caching on and cascade attention off, and print the ratio")
     parser.add_argument("--trace", action="store_true",
                         help="per step: wall clock, host and GPU time, for prompt and decode steps (as throughput.py)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run each configuration this many times, alternating them, and compare the medians "
+                        "(the GPU machine's host has varied by 10-15%% between runs)")
     parser.add_argument("--plot", default=None, metavar="FILE",
                         help="draw each run's steps into a PNG: FILE-caching-on.png, FILE-caching-off.png "
                         "(and with --cascade-off FILE-caching-on-cascade-off.png; needs matplotlib)")
@@ -67,6 +70,8 @@ def main() -> None:
             setattr(args, name, value)
     if args.num_requests < 2:
         parser.error("--num-requests must be at least 2 (one warms the prefix, the others are measured)")
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     n, prefix_len, question_len, out_len = args.num_requests, args.prefix_len, args.question_len, args.output_len
     from tinyvllm import LLM
 
@@ -81,14 +86,17 @@ def main() -> None:
     prompts = [system + [rng.randrange(10000) for _ in range(question_len)] for _ in range(n)]
     print(f"shared-prefix on {gpu_name()} at {commit()}: {n} requests, {prefix_len}-token shared prefix, "
           f"{question_len}-token questions, {out_len} output tokens (one request warms the prefix first)")
-    results = {}
+    results: dict[tuple[bool, bool], list[dict]] = {}
     # (prefix caching, cascade attention); without caching no two sequences share blocks, so cascade never applies
     configs = [(True, True), *([(True, False)] if args.cascade_off else []), (False, True)]
-    for caching, cascade in configs:
+    for i, (caching, cascade) in enumerate(configs * args.repeat):
         name = f"caching {'on' if caching else 'off'}" + ("" if cascade else ", cascade off")
+        if i >= len(configs):
+            name += f" (run {i // len(configs) + 1})"
         llm = LLM(path, enable_prefix_caching=caching, cascade_attention=cascade, **kwargs)
         recorder = StepRecorder.attach(llm) if args.plot or args.trace else None
-        r = results[caching, cascade] = run(llm, prompts, out_len, recorder)
+        r = run(llm, prompts, out_len, recorder)
+        results.setdefault((caching, cascade), []).append(r)
         print(f"  prefix {name}: {r['output_tok_per_s']:,.0f} output tok/s "
               f"({r['seconds']:.2f} s), median TTFT {r['ttft_median_ms']:.0f} ms, hit rate {r['hit_rate']:.0%}")
         if args.trace:
@@ -103,10 +111,12 @@ def main() -> None:
                        f"output tokens", start=recorder.start)
             print(f"    steps drawn in {plot}")
         del llm
-    speed = {key: r["output_tok_per_s"] for key, r in results.items()}
-    print(f"  caching on / off: {speed[True, True] / speed[False, True]:.2f}x throughput")
+    speed = {key: statistics.median(r["output_tok_per_s"] for r in runs) for key, runs in results.items()}
+    note = f" (medians of {args.repeat} runs each)" if args.repeat > 1 else ""
+    print(f"  caching on / off: {speed[True, True] / speed[False, True]:.2f}x throughput{note}")
     if args.cascade_off:
-        print(f"  cascade attention on / off (caching on): {speed[True, True] / speed[True, False]:.2f}x throughput")
+        print(f"  cascade attention on / off (caching on): {speed[True, True] / speed[True, False]:.2f}x "
+              f"throughput{note}")
 
 
 if __name__ == "__main__":
