@@ -384,8 +384,8 @@ def bench_cascade(times: Table, rates: Table) -> None:
 
 
 def sweep_cascade() -> None:
-    """Microseconds of other prefix split counts and prefix row tiles, per batch size (the defaults come from
-    cascade_plan; the suffix splits stay its choice)."""
+    """Microseconds of other prefix split counts and prefix row tiles, then of other decode tiles, per batch size
+    (the defaults come from cascade_plan; the suffix splits stay its choice)."""
     scale = HEAD_DIM**-0.5
     print(f"\n## Cascade attention plans: microseconds by prefix splits, per prefix tile (BLOCK_M, warps, stages); "
           f"default tile {cascade_prefix_config(DTYPE)}")
@@ -407,6 +407,25 @@ def sweep_cascade() -> None:
                 except Exception as error:  # a config that does not compile or fit
                     results.append(f"{splits}: failed ({type(error).__name__})")
             print(f"    {prefix_config}: " + "  ".join(results), flush=True)
+        # The decode tile (BLOCK_N, warps, stages): the suffix pass's, and the prefix pass's BLOCK_N (the combine
+        # cuts both alike), at the default splits and prefix tile.
+        results = []
+        q, k_cache, v_cache, meta, _ = sets[0]
+        reference = cascade_attention_triton(q, k_cache, v_cache, meta, scale, default).float()
+        for decode in ((32, 4, 3), (64, 2, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 3), (128, 8, 3)):
+            plan = default._replace(decode_config=decode)
+
+            def run(plan: CascadePlan = plan, sets: list = sets) -> None:
+                for s in sets:
+                    cascade_attention_triton(s[0], s[1], s[2], s[3], scale, plan)
+
+            try:
+                out = cascade_attention_triton(q, k_cache, v_cache, meta, scale, plan).float()
+                differs = float((out - reference).norm() / reference.norm()) > 1e-2
+                results.append(f"{decode}: {bench_graph(run, len(sets)) * 1e3:.1f}{' WRONG' if differs else ''}")
+            except Exception as error:  # a config that does not compile or fit
+                results.append(f"{decode}: failed ({type(error).__name__})")
+        print(f"    decode tile (default {default.decode_config}): " + "  ".join(results), flush=True)
         del sets
         torch.cuda.empty_cache()
 
