@@ -86,8 +86,6 @@ if triton is not None:
         n_mask = offs_n < N
         rows = offs_n  # the rows of W this program reads (SILU_MUL, ROPE: and their partners, rows_2)
         rows_2 = offs_n + N  # SILU_MUL: up row N + n of gate row n
-        head = offs_n  # (head and j: ROPE's alone)
-        j = offs_n
         if ROPE:  # offs_n counts pairs (x1, x2) of a head's halves: rows head * 2 HALF + j and that + HALF
             head = offs_n // HALF
             j = offs_n % HALF
@@ -110,10 +108,6 @@ if triton is not None:
         norm_weight = tl.zeros((BLOCK_K,), dtype=x_ptr.dtype.element_ty)
         if NORM:  # (a weight too: it does not depend on the kernel before either)
             norm_weight = tl.load(norm_weight_ptr + offs_k, mask=k_mask, other=0.0)
-        # ROPE: row 0's position, cache slot and rotation, also before the wait: the host wrote the first two before
-        # the step's first kernel, so they are not on the way from the wait to the stores; each later row's are
-        # read an iteration ahead.
-        slot, cos, sin = _rope_row(positions_ptr, slot_ptr, cos_sin_ptr, 0, j, n_mask, stride_cs, HALF, ROPE)
         pdl_wait(USE_PDL)
 
         for m in range(M):
@@ -138,38 +132,24 @@ if triton is not None:
                 acc = gate / (1.0 + tl.exp(-gate)) * up
             if ROPE:
                 _rope_store(y_ptr + m * stride_y, acc, tl.sum(w_2.to(tl.float32) * a, axis=1) * scale, rows, rows_2,
-                            head, j, n_mask, slot, cos, sin, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
-                            stride_kh, stride_vb, stride_vs, stride_vh, block_size, num_q_heads, num_kv_heads, HALF)
-                if m + 1 < M:
-                    slot, cos, sin = _rope_row(positions_ptr, slot_ptr, cos_sin_ptr, m + 1, j, n_mask, stride_cs, HALF,
-                                               ROPE)
+                            head, j, n_mask, tl.load(positions_ptr + m).to(tl.int64),
+                            tl.load(slot_ptr + m).to(tl.int64), cos_sin_ptr, k_cache_ptr, v_cache_ptr, stride_cs,
+                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, block_size, num_q_heads,
+                            num_kv_heads, HALF)
             else:
                 tl.store(y_ptr + m * stride_y + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
     @triton.jit
-    def _rope_row(positions_ptr, slot_ptr, cos_sin_ptr, m, j, mask, stride_cs, HALF: tl.constexpr,
-                  ROPE: tl.constexpr):
-        """Row m's cache slot and the cos, sin of its position at the pairs' frequencies j (ROPE; else dummies)."""
-        slot = tl.zeros((), dtype=tl.int64)
-        cos = tl.zeros(j.shape, dtype=tl.float32)
-        sin = cos
-        if ROPE:
-            slot = tl.load(slot_ptr + m).to(tl.int64)
-            cos_sin_row = cos_sin_ptr + tl.load(positions_ptr + m).to(tl.int64) * stride_cs
-            cos = tl.load(cos_sin_row + j, mask=mask, other=1.0)
-            sin = tl.load(cos_sin_row + HALF + j, mask=mask, other=0.0)
-        return slot, cos, sin
-
-    @triton.jit
-    def _rope_store(y_row, acc_1, acc_2, rows, rows_2, head, j, mask, slot, cos, sin, k_cache_ptr, v_cache_ptr,
-                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, block_size, num_q_heads,
-                    num_kv_heads, HALF: tl.constexpr):
+    def _rope_store(y_row, acc_1, acc_2, rows, rows_2, head, j, mask, position, slot, cos_sin_ptr, k_cache_ptr,
+                    v_cache_ptr, stride_cs, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    block_size, num_q_heads, num_kv_heads, HALF: tl.constexpr):
         """One row's qkv outputs x1 = acc_1 (rows: the first halves of heads), x2 = acc_2 (rows_2: the second
-        halves), as rotary.py's kernel treats a qkv product: rounded, then q and k heads rotated in float32 by
-        (cos, sin) of its position; y gets q rotated and k, v as they are, and for slot >= 0 the cache gets the
-        rotated k and v."""
+        halves), as rotary.py's kernel treats a qkv product: rounded, then q and k heads rotated in float32 at
+        `position`; y gets q rotated and k, v as they are, and for slot >= 0 the cache gets the rotated k and v."""
         x1 = acc_1.to(y_row.dtype.element_ty)
         x2 = acc_2.to(y_row.dtype.element_ty)
+        cos = tl.load(cos_sin_ptr + position * stride_cs + j, mask=mask, other=1.0)
+        sin = tl.load(cos_sin_ptr + position * stride_cs + HALF + j, mask=mask, other=0.0)
         rotate = head < num_q_heads + num_kv_heads  # (q and k; v is not rotated)
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
         r1 = tl.where(rotate, f1 * cos - f2 * sin, f1).to(y_row.dtype.element_ty)
