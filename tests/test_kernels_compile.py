@@ -52,9 +52,9 @@ CASES = [
                                                    CASCADE=cascade, USE_PDL=True), _PARTIALS, warps)
       for heads, warps in ((1, 1), (16, 4)) for cascade in (False, True)],
     ("tinyvllm.ops.sampling", "_sample_chunk_kernel",
-     dict(HAS_CUTOFF=True, DEFER_MIN_P=True, ROWS=1, BLOCK=2048, USE_PDL=True), _SAMPLING, 8),
+     dict(HAS_CUTOFF=True, DEFER_MIN_P=True, ROWS=1, BLOCK=2048, FAST_LOG=True, USE_PDL=True), _SAMPLING, 8),
     ("tinyvllm.ops.sampling", "_min_p_race_kernel",
-     dict(HAS_CUTOFF=False, ROWS=1, BLOCK=2048, CHUNKS=64, USE_PDL=True), _SAMPLING, 8),
+     dict(HAS_CUTOFF=False, ROWS=1, BLOCK=2048, CHUNKS=64, FAST_LOG=True, USE_PDL=True), _SAMPLING, 8),
     ("tinyvllm.ops.decode_inputs", "_unpack_decode_inputs_kernel", dict(BLOCK=256, USE_PDL=True),
      {"input_ids_ptr": "*i64", "pending_ptr": "*i64", "tokens_ptr": "*i64", "packed_ptr": "*i32",
       "width_ptr": "*i32", "tables_ptr": "*i32"}, 1),

@@ -1,6 +1,7 @@
 """Token sampling from final logits: greedy, temperature, top-k, top-p, min-p, per-row seeds."""
 
 import functools
+import os
 
 import torch
 
@@ -115,41 +116,75 @@ if triton is not None:
         return top, tl.min(tl.where(best == top[:, None], best_col, 2147483647), axis=1)
 
     @triton.jit
-    def _race_scores(x, start, keep, seeds, temperature, BLOCK: tl.constexpr):
-        """s_i = x_i/T - log(E_i) for the kept tokens of x (the tokens [start, start + BLOCK) of each row), -inf
-        elsewhere; E_i = -log(U_i). Philox, keyed by the row's own seed, gives four numbers per call: token i
-        takes number i % 4 of the call with counter i // 4 (start is a multiple of 4), so a row's numbers depend
-        on its seed and the token ids only, whatever the chunking, the block or ROWS. One call per token, as
-        tl.rand makes, would spend most of a large batch's sampling time in Philox."""
-        quads = start // 4 + tl.arange(0, BLOCK // 4)[None, :]
-        u0, u1, u2, u3 = tl.rand4x(seeds[:, None], quads)
-        u = tl.interleave(tl.interleave(u0, u2), tl.interleave(u1, u3))  # u0[0], u1[0], u2[0], u3[0], u0[1], ...
-        return tl.where(keep, x * (1.0 / temperature[:, None]) - tl.log(-tl.log(u)), float("-inf"))
+    def _log2(x, FAST: tl.constexpr):
+        """log2(x); FAST (on the GPU): the SFU's lg2.approx, one instruction against libdevice's precise logf (about
+        fifteen and a branch), which took most of a large batch's sampling time. Its error, under 2^-22 (absolute,
+        for x in (1/2, 2), relative elsewhere), is why _exponential keeps it away from x near 1."""
+        if FAST:
+            return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        else:
+            return tl.log2(x)
 
     @triton.jit
-    def _program_chunk(num_rows, vocab, chunk_size, ROWS: tl.constexpr):
-        """This program's ROWS rows (and which are real) and its chunk of the vocabulary: [start, end)."""
+    def _exponential(r, FAST: tl.constexpr):
+        """E = -ln(U) ~ Exp(1) for U = (r + 1/2) / 2^32, r uniform 32-bit integers, to a relative error under 1e-6
+        everywhere. The race's winners are the tokens with small E, where U is near 1 and log(U) loses its
+        digits: there d = 1 - U comes exactly from the integer and E = -ln(1 - d) = d + d^2/2 + ... + d^7/7 (d <
+        1/8: the terms left out are under 1e-7 of E); elsewhere E = -ln(2) log2(1 - d)."""
+        d = ((~r).to(tl.float32) + 0.5) * 2.3283064365386963e-10  # (2^32 - 1 - r + 1/2) / 2^32
+        series = d * (1.0 + d * (0.5 + d * (1.0 / 3 + d * (0.25 + d * (0.2 + d * (1.0 / 6 + d * (1.0 / 7)))))))
+        return tl.where(d < 0.125, series, -0.6931471805599453 * _log2(1.0 - d, FAST))
+
+    @triton.jit
+    def _race_scores(x, start, keep, seeds, scale, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
+        """s_i = x_i * scale - log2(E_i) with scale = log2(e) / T: log2(p_i / E_i) up to a constant of the row, for
+        the kept tokens of x (the tokens [start, start + BLOCK) of each row), -inf elsewhere. E_i ~ Exp(1) from
+        Philox keyed by the row's own seed, four numbers per call: token i takes number i % 4 of the call with
+        counter i // 4 (start is a multiple of 4), so a row's numbers depend on its seed and the token ids only,
+        whatever the chunking, the block or ROWS. One call per token, as tl.rand makes, would spend most of a
+        large batch's sampling time in Philox."""
+        quads = start // 4 + tl.arange(0, BLOCK // 4)[None, :]
+        r0, r1, r2, r3 = tl.randint4x(seeds[:, None], quads)
+        r = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))  # r0[0], r1[0], r2[0], r3[0], r0[1], ...
+        return tl.where(keep, x * scale[:, None] - _log2(_exponential(r, FAST_LOG), FAST_LOG), float("-inf"))
+
+    @triton.jit
+    def _program_chunk(num_rows, vocab, chunk_16s, ROWS: tl.constexpr):
+        """This program's ROWS rows (and which are real), its chunk of the vocabulary, [start, end), and the chunk's
+        size. The size comes in 16s (chunk_16s): start and size are then multiples of 16 that Triton can see (a
+        hint on a number that varies per launch does not reach the loop), so the loads of the logits are
+        16-byte vectors."""
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         chunk, num_chunks = tl.program_id(1), tl.num_programs(1)
+        chunk_size = chunk_16s * 16
         chunk_start = chunk * chunk_size
-        return rows, rows < num_rows, chunk, num_chunks, chunk_start, tl.minimum(chunk_start + chunk_size, vocab)
+        chunk_end = tl.minimum(chunk_start + chunk_size, vocab)
+        return rows, rows < num_rows, chunk, num_chunks, chunk_start, chunk_end, chunk_size
+
+    @triton.jit
+    def _in_chunk(cols, chunk_start, chunk_size, vocab):
+        """cols < min(chunk end, vocab), as two tests, so that the divisibility of each bound (16, and vocab's when it
+        is a multiple of 16) shows and the masked loads stay 16-byte vectors."""
+        return (cols < chunk_start + chunk_size) & (cols < vocab)
 
     # Grid (row groups, chunks): ROWS rows (1 unless the whole vocabulary is one chunk) x the tokens
     # [chunk * chunk_size, (chunk + 1) * chunk_size) of each, in one pass:
     #   x_max and its first index over the chunk (a greedy row's answer is the first of the row's max);
     #   for a sampled row (unless DEFER_MIN_P and min_p > 0: _min_p_race_kernel races it), keep x_i >= cutoff
-    #   and the best race score s_i = x_i/T - log(E_i) with its first index. argmax_i s_i over the row is the
-    #   exponential race argmax p_i / E_i, an exact draw from the kept tempered softmax.
+    #   and the best race score s_i = log2(p_i / E_i) + c (_race_scores) with its first index. argmax_i s_i over
+    #   the row is the exponential race argmax p_i / E_i, an exact draw from the kept tempered softmax.
     # Partials: value[0 or 1, row, chunk] = (chunk max, best race score), index[...] their token ids.
-    @triton.jit(do_not_specialize=["num_rows", "chunk_size"])
+    @triton.jit(do_not_specialize=["num_rows", "chunk_16s"])
     def _sample_chunk_kernel(
         value_ptr, index_ptr, logits_ptr, cutoff_ptr, temperature_ptr, min_p_ptr, seeds_ptr,
-        num_rows, vocab, stride_logits, chunk_size,
+        num_rows, vocab, stride_logits, chunk_16s,
         HAS_CUTOFF: tl.constexpr, DEFER_MIN_P: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-        USE_PDL: tl.constexpr,
+        FAST_LOG: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         pdl_wait(USE_PDL)
-        rows, row_mask, chunk, num_chunks, chunk_start, chunk_end = _program_chunk(num_rows, vocab, chunk_size, ROWS)
+        rows, row_mask, chunk, num_chunks, chunk_start, chunk_end, chunk_size = _program_chunk(num_rows, vocab,
+                                                                                              chunk_16s, ROWS)
         base = logits_ptr + rows.to(tl.int64)[:, None] * stride_logits
         temperature = tl.load(temperature_ptr + rows, mask=row_mask, other=0.0)
         race = temperature != 0
@@ -161,21 +196,23 @@ if triton is not None:
         race_any = tl.sum(race.to(tl.int32), axis=0) > 0
         if race_any:
             temperature = tl.where(temperature > 0, temperature, 1.0)  # as sample_ref: T < 0 samples at T = 1
+            scale = 1.4426950408889634 / temperature  # log2(e) / T
             threshold = tl.full([ROWS], float("-inf"), dtype=tl.float32)
             if HAS_CUTOFF:  # a logit of the row, so never above its max: the most likely token survives
                 threshold = tl.load(cutoff_ptr + rows, mask=row_mask, other=0.0)
             seeds = tl.load(seeds_ptr + rows, mask=row_mask, other=0)
             for start in range(chunk_start, chunk_end, BLOCK):
                 cols = start + tl.arange(0, BLOCK)[None, :]
-                in_chunk = cols < chunk_end
+                in_chunk = _in_chunk(cols, chunk_start, chunk_size, vocab)
                 x = tl.load(base + cols, mask=row_mask[:, None] & in_chunk, other=float("-inf")).to(tl.float32)
                 best, best_col = _keep_max(x, cols, best, best_col)
-                score = _race_scores(x, start, in_chunk & (x >= threshold[:, None]), seeds, temperature, BLOCK)
+                score = _race_scores(x, start, in_chunk & (x >= threshold[:, None]), seeds, scale, BLOCK, FAST_LOG)
                 race_best, race_col = _keep_max(score, cols, race_best, race_col)
         else:  # greedy rows only (or all deferred to the min-p pass): the max alone
             for start in range(chunk_start, chunk_end, BLOCK):
                 cols = start + tl.arange(0, BLOCK)[None, :]
-                x = tl.load(base + cols, mask=row_mask[:, None] & (cols < chunk_end), other=float("-inf"))
+                x = tl.load(base + cols, mask=row_mask[:, None] & _in_chunk(cols, chunk_start, chunk_size, vocab),
+                            other=float("-inf"))
                 best, best_col = _keep_max(x.to(tl.float32), cols, best, best_col)
         best, best_index = _first_max(best, best_col)
         race_best, race_index = _first_max(race_best, race_col)
@@ -191,15 +228,16 @@ if triton is not None:
     # x_i >= max(cutoff, x_max + T*log(min_p)) (p_i >= min_p * p_max; capped at x_max so the most likely token
     # survives), x_max the largest of the chunk maxima stored by the chunk kernel; then the same race over the
     # chunk, its winner stored in place of the chunk kernel's. Other rows return at once.
-    @triton.jit(do_not_specialize=["num_rows", "chunk_size"])
+    @triton.jit(do_not_specialize=["num_rows", "chunk_16s"])
     def _min_p_race_kernel(
         value_ptr, index_ptr, logits_ptr, cutoff_ptr, temperature_ptr, min_p_ptr, seeds_ptr,
-        num_rows, vocab, stride_logits, chunk_size,
+        num_rows, vocab, stride_logits, chunk_16s,
         HAS_CUTOFF: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
-        USE_PDL: tl.constexpr,
+        FAST_LOG: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         pdl_wait(USE_PDL)
-        rows, row_mask, chunk, num_chunks, chunk_start, chunk_end = _program_chunk(num_rows, vocab, chunk_size, ROWS)
+        rows, row_mask, chunk, num_chunks, chunk_start, chunk_end, chunk_size = _program_chunk(num_rows, vocab,
+                                                                                              chunk_16s, ROWS)
         temperature = tl.load(temperature_ptr + rows, mask=row_mask, other=0.0)
         min_p = tl.load(min_p_ptr + rows, mask=row_mask, other=0.0)
         race = row_mask & (temperature != 0) & (min_p > 0)
@@ -210,6 +248,7 @@ if triton is not None:
                              mask=row_mask[:, None] & (chunks < num_chunks), other=float("-inf"))
             best = tl.max(maxima, axis=1)
             temperature = tl.where(temperature > 0, temperature, 1.0)
+            scale = 1.4426950408889634 / temperature  # log2(e) / T
             threshold = best + temperature * tl.log(min_p)
             if HAS_CUTOFF:
                 threshold = tl.maximum(threshold, tl.load(cutoff_ptr + rows, mask=row_mask, other=0.0))
@@ -219,9 +258,9 @@ if triton is not None:
             race_col = chunk_start + tl.arange(0, BLOCK)[None, :] + tl.zeros([ROWS, BLOCK], dtype=tl.int32)
             for start in range(chunk_start, chunk_end, BLOCK):
                 cols = start + tl.arange(0, BLOCK)[None, :]
-                in_chunk = cols < chunk_end
+                in_chunk = _in_chunk(cols, chunk_start, chunk_size, vocab)
                 x = tl.load(base + cols, mask=row_mask[:, None] & in_chunk, other=float("-inf")).to(tl.float32)
-                score = _race_scores(x, start, in_chunk & (x >= threshold[:, None]), seeds, temperature, BLOCK)
+                score = _race_scores(x, start, in_chunk & (x >= threshold[:, None]), seeds, scale, BLOCK, FAST_LOG)
                 race_best, race_col = _keep_max(score, cols, race_best, race_col)
             race_best, race_index = _first_max(race_best, race_col)
             part = num_rows * num_chunks + rows * num_chunks + chunk
@@ -306,29 +345,32 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
             USE_TOP_P=bool(use_top_p), ROWS=rows, BLOCK=cutoff_block, num_warps=8, **pdl_options(logits),
         )
 
-    # chunks and blocks start at multiples of 4, the tokens of one Philox call (_race_scores)
-    chunk_size = min(triton.cdiv(chunk_size or _chunk_size(num_rows, vocab, logits.device), 4) * 4, vocab)
+    # chunks and blocks start at multiples of 16: of 4, the tokens of one Philox call (_race_scores), and of 8 so that
+    # the chunk kernels read the logits in 16-byte vectors (where the vocabulary is a multiple of 8 too)
+    chunk_size = triton.cdiv(chunk_size or _chunk_size(num_rows, vocab, logits.device), 16) * 16
     num_chunks = triton.cdiv(vocab, chunk_size)
-    block = max(min(block or _MAX_BLOCK, triton.next_power_of_2(chunk_size)), 4)
+    block = max(min(block or _MAX_BLOCK, triton.next_power_of_2(chunk_size)), 16)
     # one chunk per row (small vocabularies): several rows per program, as in _tile
     rows = min(triton.next_power_of_2(num_rows), max(1, _MAX_BLOCK // block)) if num_chunks == 1 else 1
     num_warps = max(1, min(8, block // 256))
     values = torch.empty((2, num_rows, num_chunks), dtype=torch.float32, device=logits.device)
     indices = torch.empty((2, num_rows, num_chunks), dtype=torch.int32, device=logits.device)
     grid = (triton.cdiv(num_rows, rows), num_chunks)
-    args = (values, indices, logits, cutoff, temperature, min_p, seeds, num_rows, vocab, logits.stride(0), chunk_size)
+    args = (values, indices, logits, cutoff, temperature, min_p, seeds, num_rows, vocab, logits.stride(0),
+            chunk_size // 16)
     defer_min_p = use_min_p is not False
+    fast_log = logits.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"  # (the interpreter runs no PTX)
     _sample_chunk_kernel[grid](
-        *args, HAS_CUTOFF=has_cutoff, DEFER_MIN_P=defer_min_p, ROWS=rows, BLOCK=block, num_warps=num_warps,
-        **pdl_options(logits),
+        *args, HAS_CUTOFF=has_cutoff, DEFER_MIN_P=defer_min_p, ROWS=rows, BLOCK=block, FAST_LOG=fast_log,
+        num_warps=num_warps, **pdl_options(logits),
     )
     # CHUNKS (a constexpr) sized for the most chunks any batch size gets, not this one's: otherwise each batch
     # size band would compile its own variant of the two kernels below, in the middle of a run.
     chunks_pow2 = triton.next_power_of_2(max(num_chunks, triton.cdiv(vocab, _MIN_CHUNK)))
     if defer_min_p:
         _min_p_race_kernel[grid](
-            *args, HAS_CUTOFF=has_cutoff, ROWS=rows, BLOCK=block, CHUNKS=chunks_pow2, num_warps=num_warps,
-            **pdl_options(logits),
+            *args, HAS_CUTOFF=has_cutoff, ROWS=rows, BLOCK=block, CHUNKS=chunks_pow2, FAST_LOG=fast_log,
+            num_warps=num_warps, **pdl_options(logits),
         )
     reduce_rows = max(1, 1024 // chunks_pow2)
     _sample_reduce_kernel[(triton.cdiv(num_rows, reduce_rows),)](
