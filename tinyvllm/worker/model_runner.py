@@ -104,12 +104,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up_shapes(self) -> None:
-        """Run the shapes the padding produces once, so that they are not new mid-run: the LM head at each row
-        count, and a forward pass (attention left out: it has no cuBLAS product) at each padded size up to
-        WARM_UP_MAX_TOKENS."""
+        """Run the shapes the padding produces once, so that they are not new mid-run: the gather of the rows to
+        sample and the LM head at each row count, and a forward pass (attention left out: it has no cuBLAS product)
+        at each padded size up to WARM_UP_MAX_TOKENS. CUDA loads a kernel at its first launch (lazy loading): the
+        gather's first took 26 ms inside a prompt step on the H200."""
         hidden_size = self.model_config.hidden_size
         for rows in self.logits_rows:
             hidden = torch.zeros(rows, hidden_size, dtype=self.dtype, device=self.device)
+            hidden = hidden[torch.zeros(rows, dtype=torch.int64, device=self.device)]  # (as execute's logits_indices)
             self.model.compute_logits(hidden)
             self.model.greedy_tokens(hidden)  # (the fused LM head, where it applies: compiled now, not mid-run)
         empty = torch.zeros(1, dtype=torch.int32, device=self.device)
