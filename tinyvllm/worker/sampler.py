@@ -19,9 +19,9 @@ from tinyvllm.outputs import Logprob
 from tinyvllm.worker.input_batch import InputBatch
 
 _MASK64 = (1 << 63) - 1
-# Up to this many all-greedy rows, our sampling kernel's argmax (split over the vocabulary) beats torch.argmax;
-# at 256 rows argmax is faster (benchmarks/bench_kernels.py --sampling; figures in benchmarks/RESULTS.md).
-_KERNEL_GREEDY_MAX_ROWS = 64
+# Up to this many all-greedy rows (the default max_num_seqs), our sampling kernel's argmax (split over the
+# vocabulary) beat torch.argmax at every row count measured; above them argmax runs (figures in benchmarks/RESULTS.md).
+_KERNEL_GREEDY_MAX_ROWS = 256
 _SEED_MULTIPLIERS = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
 
