@@ -33,10 +33,19 @@ _ON: dict = {"USE_PDL": True, "launch_pdl": True}
 
 
 @functools.cache
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def runs_ptx(t: torch.Tensor) -> bool:
+    """Whether Triton kernels on t's device run compiled PTX, which inline PTX (griddepcontrol here, lg2.approx in
+    ops/sampling.py) needs: a CUDA tensor, outside Triton's interpreter (which runs kernels as Python)."""
+    return t.is_cuda and not _interpreting()
+
+
+@functools.cache
 def _supported(device_index: int) -> bool:
-    if gdc_wait is None or os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return False  # the interpreter runs no PTX
-    if os.environ.get("TINYVLLM_PDL", "1") == "0":
+    if gdc_wait is None or os.environ.get("TINYVLLM_PDL", "1") == "0":
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
@@ -44,7 +53,7 @@ def _supported(device_index: int) -> bool:
 def pdl_options(t: torch.Tensor) -> dict:
     """Launch options for a kernel taking a USE_PDL constexpr and starting with pdl_wait(USE_PDL):
     PDL on a Hopper-or-later GPU, plain launches elsewhere."""
-    return _ON if t.is_cuda and _supported(t.device.index or 0) else _OFF
+    return _ON if runs_ptx(t) and _supported(t.device.index or 0) else _OFF
 
 
 pdl_wait = None

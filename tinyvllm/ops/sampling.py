@@ -1,7 +1,6 @@
 """Token sampling from final logits: greedy, temperature, top-k, top-p, min-p, per-row seeds."""
 
 import functools
-import os
 
 import torch
 
@@ -11,7 +10,7 @@ try:
 except ImportError:  # the CPU engine imports the reference on machines without Triton
     triton = None
 
-from tinyvllm.ops.pdl import pdl_options, pdl_wait
+from tinyvllm.ops.pdl import pdl_options, pdl_wait, runs_ptx
 
 
 def sample_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -359,7 +358,7 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     args = (values, indices, logits, cutoff, temperature, min_p, seeds, num_rows, vocab, logits.stride(0),
             chunk_size // 16)
     defer_min_p = use_min_p is not False
-    fast_log = logits.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"  # (the interpreter runs no PTX)
+    fast_log = runs_ptx(logits)
     _sample_chunk_kernel[grid](
         *args, HAS_CUTOFF=has_cutoff, DEFER_MIN_P=defer_min_p, ROWS=rows, BLOCK=block, FAST_LOG=fast_log,
         num_warps=num_warps, **pdl_options(logits),

@@ -106,8 +106,8 @@ class ModelRunner:
     def warm_up_shapes(self) -> None:
         """Run the shapes the padding produces once, so that they are not new mid-run: the gather of the rows to
         sample and the LM head at each row count, and a forward pass (attention left out: it has no cuBLAS product)
-        at each padded size up to WARM_UP_MAX_TOKENS. CUDA loads a kernel at its first launch (lazy loading): the
-        gather's first took 26 ms inside a prompt step on the H200."""
+        at each padded size up to WARM_UP_MAX_TOKENS. CUDA loads a kernel at its first launch (lazy loading), and the
+        gather's first launch, inside a big prompt step, was the slowest (benchmarks/RESULTS.md)."""
         hidden_size = self.model_config.hidden_size
         for rows in self.logits_rows:
             hidden = torch.zeros(rows, hidden_size, dtype=self.dtype, device=self.device)
