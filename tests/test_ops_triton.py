@@ -10,6 +10,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from tinyvllm.ops.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from tinyvllm.ops.attention import (  # noqa: E402
@@ -33,7 +35,7 @@ from tinyvllm.ops.rotary import (  # noqa: E402
     rotary_embedding_and_store_ref,
     rotary_embedding_and_store_triton,
 )
-from tinyvllm.ops.sampling import sample_triton  # noqa: E402
+from tinyvllm.ops.sampling import _exponential, sample_triton  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"),  # log(0) = -inf on purpose in sampling
               pytest.mark.usefixtures("poison_outputs")]  # (conftest: unwritten outputs show as NaN)
@@ -484,3 +486,26 @@ def test_unpack_decode_inputs(width: int) -> None:
     for out_ids, out_tables in results:
         assert torch.equal(out_ids, expected_ids)
         assert torch.equal(out_tables, expected_tables)
+
+
+@triton.jit
+def _exponential_kernel(out_ptr, r_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    r = tl.load(r_ptr + offs, mask=offs < n, other=0).to(tl.uint32)
+    tl.store(out_ptr + offs, _exponential(r, False), mask=offs < n)
+
+
+def test_race_noise_is_exponential_to_1e_6() -> None:
+    """The sampler's E = -ln(U) from 32-bit integers, against float64, where it matters most (U near 1: the race's
+    winners), where its two formulas meet (d = 1/8) and at both ends. (The GPU takes log2 from lg2.approx instead
+    of tl.log2, in the same formula.)"""
+    switch = 2**32 - 2**29  # d = 1 - U crosses 1/8 here
+    edges = [0, 1, 2, 1000, 2**31, switch - 2, switch - 1, switch, switch + 1, 2**32 - 1000, 2**32 - 2, 2**32 - 1]
+    r = torch.tensor(edges + torch.randint(0, 2**32, (500,), generator=torch.Generator().manual_seed(0)).tolist(),
+                     dtype=torch.int64)
+    out = torch.full(r.shape, float("nan"))
+    _exponential_kernel[(1,)](out, r, r.numel(), BLOCK=triton.next_power_of_2(r.numel()))
+    d = (2**32 - 1 - r.double() + 0.5) / 2**32
+    expected = -torch.log1p(-d)
+    error = ((out.double() - expected) / expected).abs()
+    assert float(error.max()) < 1e-6, (r[error.argmax()].item(), float(error.max()))

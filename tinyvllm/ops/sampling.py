@@ -128,12 +128,14 @@ if triton is not None:
     @triton.jit
     def _exponential(r, FAST: tl.constexpr):
         """E = -ln(U) ~ Exp(1) for U = (r + 1/2) / 2^32, r uniform 32-bit integers, to a relative error under 1e-6
-        everywhere. The race's winners are the tokens with small E, where U is near 1 and log(U) loses its
-        digits: there d = 1 - U comes exactly from the integer and E = -ln(1 - d) = d + d^2/2 + ... + d^7/7 (d <
-        1/8: the terms left out are under 1e-7 of E); elsewhere E = -ln(2) log2(1 - d)."""
+        everywhere (tests/test_ops_triton.py). Both U and d = 1 - U come from the integer, so each keeps 24
+        significant bits: U near 1 (E small: the race's winners), where log(U) loses its digits, takes the series
+        E = -ln(1 - d) = d + d^2/2 + ... + d^7/7 (d < 1/8: the terms left out are under 1e-7 of E); the rest
+        E = -ln(2) log2(U)."""
         d = ((~r).to(tl.float32) + 0.5) * 2.3283064365386963e-10  # (2^32 - 1 - r + 1/2) / 2^32
         series = d * (1.0 + d * (0.5 + d * (1.0 / 3 + d * (0.25 + d * (0.2 + d * (1.0 / 6 + d * (1.0 / 7)))))))
-        return tl.where(d < 0.125, series, -0.6931471805599453 * _log2(1.0 - d, FAST))
+        u = (r.to(tl.float32) + 0.5) * 2.3283064365386963e-10  # (at most 1: where it rounds to 1, the series is taken)
+        return tl.where(d < 0.125, series, -0.6931471805599453 * _log2(u, FAST))
 
     @triton.jit
     def _race_scores(x, start, keep, seeds, scale, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
