@@ -21,6 +21,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from tests.utils import CUDA_ONLY, attention_metadata  # noqa: E402
 from tinyvllm.ops.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
@@ -47,7 +49,7 @@ from tinyvllm.ops.rotary import (  # noqa: E402
     rotary_embedding_and_store_ref,
     rotary_embedding_and_store_triton,
 )
-from tinyvllm.ops.sampling import sample_triton  # noqa: E402
+from tinyvllm.ops.sampling import _exponential, sample_triton  # noqa: E402
 
 pytestmark = CUDA_ONLY
 
@@ -782,3 +784,25 @@ def test_sample_distribution(case: str) -> None:
     assert masked_draws == 0, f"sample {case}: {masked_draws} of {draws} draws are tokens the truncation masks"
     assert chi2 < chi2_critical(df), (f"sample {case}: chi2={chi2:.1f} df={df} >= critical {chi2_critical(df):.1f} "
                                       f"(p = 1e-4): the frequencies are not the truncated softmax's")
+
+
+@triton.jit
+def _exponential_kernel(out_ptr, r_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    r = tl.load(r_ptr + offs, mask=offs < n, other=0).to(tl.uint32)
+    tl.store(out_ptr + offs, _exponential(r, True), mask=offs < n)
+
+
+def test_race_noise_with_lg2_approx() -> None:
+    """The sampler's E = -ln(U) as the GPU computes it (log2 from lg2.approx), against float64, on fresh random
+    integers and the edges (both ends, and where the series and the log meet): lg2.approx's error, 2^-22 absolute
+    for U in (1/2, 7/8] where |log2 U| >= 0.19, keeps E within 3e-6."""
+    generator, seed = fresh_generator()
+    switch = 2**32 - 2**29
+    edges = torch.tensor([0, 1, 1000, 2**31, switch - 1, switch, switch + 1, 2**32 - 1000, 2**32 - 1], device=DEVICE)
+    r = torch.cat([edges, torch.randint(0, 2**32, (1 << 20,), device=DEVICE, generator=generator)])
+    out = torch.full(r.shape, float("nan"), device=DEVICE)
+    _exponential_kernel[(triton.cdiv(r.numel(), 1024),)](out, r, r.numel(), BLOCK=1024)
+    expected = -torch.log1p(-(2**32 - 1 - r.double() + 0.5) / 2**32)
+    error = ((out.double() - expected) / expected).abs()
+    assert float(error.max()) < 3e-6, f"seed {seed}: r={r[error.argmax()].item()} relative error {float(error.max())}"
