@@ -11,6 +11,7 @@ If the core process dies, every call raises EngineCoreDeadError: the server fail
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -56,6 +57,11 @@ def _core_main(config: EngineConfig, model_config: ModelConfig, model_path: str,
         message = str(e) if isinstance(e, ValueError) else traceback.format_exc()
         server.broadcast(("error", message, isinstance(e, ValueError)))
         return
+    # What is alive now lives as long as this process (the model, the graphs, the libraries' objects): frozen out
+    # of the cyclic collector's sight, as vLLM's engine core does, so that a full collection, when the allocations
+    # of serving set one off, walks only what serving made (benchmarks/RESULTS.md has its cost without this).
+    gc.collect()
+    gc.freeze()
     try:
         server.broadcast(("ready", core.kv_capacity_tokens, core.get_stats()))
         server.run(core)
