@@ -102,6 +102,41 @@ def start_profiler(server_pid: int, path: str) -> subprocess.Popen | None:
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
+_SERVER_PARTS = ("time_to_first_token", "request_queue_time", "request_prefill_time")
+
+
+def server_sums(url: str) -> dict[str, float]:
+    """The server's /metrics: sum and count of its time to first token (API process: arrival to first token)
+    and of the engine core's queue and prefill times, added over every API server."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for part in _SERVER_PARTS:
+                if sample.name in (f"tinyvllm:{part}_seconds_sum", f"tinyvllm:{part}_seconds_count"):
+                    sums[sample.name.split(":", 1)[1]] = sums.get(sample.name, 0.0) + sample.value
+    return sums
+
+
+def ttft_parts(client_ttft_mean_ms: float, before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Where the client's mean time to first token went (ms), from the server's sums over the level: the HTTP
+    request in and the first event out (the client's less the server's), the way between the API process
+    and the engine core (the server's less the core's queue and prefill), and those two."""
+    mean = {}
+    for part in _SERVER_PARTS:
+        count = after[f"{part}_seconds_count"] - before.get(f"{part}_seconds_count", 0.0)
+        mean[part] = (after[f"{part}_seconds_sum"] - before.get(f"{part}_seconds_sum", 0.0)) / max(count, 1) * 1e3
+    server = mean["time_to_first_token"]
+    return {"client": client_ttft_mean_ms, "http_and_stream": client_ttft_mean_ms - server,
+            "api_core_hops": server - mean["request_queue_time"] - mean["request_prefill_time"],
+            "core_queue": mean["request_queue_time"], "core_prefill": mean["request_prefill_time"]}
+
+
 def run_level(url: str, server_pid: int, concurrency: int, num_prompts: int, args: argparse.Namespace,
               vocab_size: int, seed: int) -> dict[str, Any]:
     clients = min(args.num_clients, concurrency)
@@ -111,10 +146,12 @@ def run_level(url: str, server_pid: int, concurrency: int, num_prompts: int, arg
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
         profiler = start_profiler(server_pid, os.path.join(args.profile, f"serve-c{concurrency}.txt"))
+    sums = server_sums(url)
     wall, client, server = time.perf_counter(), time.process_time(), cpu_seconds(server_pid)
     summary = bench(url, concurrency, num_prompts, args.input_len, args.output_len, vocab_size, seed,
                     args.duration_limit, clients)
     wall = time.perf_counter() - wall
+    summary["ttft_parts_ms"] = ttft_parts(summary["ttft_ms"]["mean"], sums, server_sums(url))
     if profiler is not None:
         profiler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
         try:
@@ -171,9 +208,13 @@ def offline(path: str, levels: list[tuple[int, list[list[int]], list[list[int]]]
                 * 1e3 for o in outputs]
         tpot = [(o.metrics.last_token_time - o.metrics.first_token_time) * 1e3 / (len(o.outputs[0].token_ids) - 1)
                 for o in outputs if len(o.outputs[0].token_ids) > 1]
+        m = [o.metrics for o in outputs]
         results.append({"concurrency": concurrency, "requests": len(prompts), "output_tokens": generated,
                         "seconds": seconds, "output_tok_per_s": generated / seconds,
-                        "ttft_ms_median": statistics.median(ttft), "tpot_ms_median": statistics.median(tpot)})
+                        "ttft_ms_median": statistics.median(ttft), "tpot_ms_median": statistics.median(tpot),
+                        "ttft_ms_mean": statistics.mean(ttft),
+                        "prefill_ms_mean": statistics.mean((x.first_token_engine_time - x.first_scheduled_time) * 1e3
+                                                           for x in m)})
     results[-1]["preemptions"] = llm.llm_engine.get_stats()["num_preemptions"]
     return results
 
@@ -192,6 +233,17 @@ def table(levels: list[dict[str, Any]]) -> str:
             cells += [f"{s[key]['median']:,.2f}", f"{s[key]['p99']:,.2f}"]
         cells += [cpu(s["client_cpu_per_wall"]), cpu(s["server_cpu_per_wall"])]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def ttft_table(levels: list[dict[str, Any]]) -> str:
+    lines = ["| concurrency | client TTFT mean | HTTP in + first event out | API process <-> engine core | "
+             "core: queue | core: prefill |", "| --- " * 6 + "|"]
+    for s in levels:
+        p = s["ttft_parts_ms"]
+        lines.append(f"| {s['config']['concurrency']} | " + " | ".join(
+            f"{p[k]:,.2f}" for k in ("client", "http_and_stream", "api_core_hops", "core_queue", "core_prefill"))
+            + " |")
     return "\n".join(lines)
 
 
@@ -273,6 +325,11 @@ def main() -> int:
         print(table(result["levels"]))
         print("(ms; TPOT: per request, (end - first token) / (tokens - 1); ITL: between streamed chunks; CPU: "
               "the process's CPU time over the level's wall time; '-' with --num-clients > 1)")
+        print("Where the time to first token went (means, ms; from the server's /metrics over each level):")
+        print(ttft_table(result["levels"]))
+        print("(HTTP in + first event out: the client's TTFT less the API server's, arrival to first token; API "
+              "process <-> engine core: the API server's less the core's queue and prefill, so the pipe there and "
+              "back and the output processing)")
     print(f"server stopped with SIGINT: exit code {exit_code}" + ("" if exit_code == 0 else " (expected 0)"))
     failed |= exit_code != 0
     if exit_code != 0 or not result["levels"]:
@@ -303,6 +360,8 @@ def main() -> int:
             print(f"  | {peer['concurrency']} | {peer['output_tok_per_s']:,.0f} | {peer['serve_over_offline']:.2f}x | "
                   f"{peer['ttft_ms_median']:.2f} ms | {peer['ttft_ratio']:.2f}x | {peer['tpot_ms_median']:.3f} ms | "
                   f"{peer['tpot_ratio']:.2f}x |")
+        print("  offline TTFT mean / its prefill (first scheduled to first token): " + ", ".join(
+            f"{p['concurrency']}: {p['ttft_ms_mean']:.2f} / {p['prefill_ms_mean']:.2f} ms" for p in result["offline"]))
         result["serve_over_offline"] = result["offline"][-1]["serve_over_offline"]
     if args.json:
         with open(args.json, "w") as f:

@@ -75,14 +75,15 @@ def test_a_failure_comes_after_the_output_already_there():
 def test_engine_core_outputs_concatenate_with_their_sparse_columns():
     first = EngineCoreOutputs()
     first.add("a", 0, 10)
-    first.first[first.add("b", 0, 20)] = (16, 3.0)
+    first.first[first.add("b", 0, 20)] = (16, 2.0, 3.0, 4.0)
     second = EngineCoreOutputs()
     entry = second.add("a", 0, 11)
     second.finished[entry] = ("length", None)
     second.logprobs[entry] = {11: Logprob(-0.5, 1)}
     first.extend(second)
     assert (first.request_ids, first.token_ids, len(first)) == (["a", "b", "a"], [10, 20, 11], 3)
-    assert first.finished == {2: ("length", None)} and first.first == {1: (16, 3.0)} and list(first.logprobs) == [2]
+    assert first.finished == {2: ("length", None)} and first.first == {1: (16, 2.0, 3.0, 4.0)}
+    assert list(first.logprobs) == [2]
 
 
 def test_the_output_processor_gives_one_delta_per_request_for_several_steps():
@@ -95,7 +96,7 @@ def test_the_output_processor_gives_one_delta_per_request_for_several_steps():
             entry = outputs.add(request_id, 0, 100 * step + ord(request_id))
             outputs.logprobs[entry] = {100 * step + ord(request_id): Logprob(-1.0, 1)}
             if step == 0:
-                outputs.first[entry] = (0, 0.5)
+                outputs.first[entry] = (0, 0.25, 0.5, 0.75)
             if step == 2:
                 outputs.finished[entry] = ("length", None)
     results, stopped = processor.process(outputs)
@@ -103,6 +104,8 @@ def test_the_output_processor_gives_one_delta_per_request_for_several_steps():
     assert [(r.request_id, r.outputs[0].token_ids, r.outputs[0].finish_reason, r.finished) for r in results] == [
         ("a", [97, 197, 297], "length", True), ("b", [98, 198, 298], "length", True)]
     assert results[0].outputs[0].cumulative_logprob == -3.0 and results[0].metrics.first_scheduled_time == 0.5
+    m = results[0].metrics
+    assert (m.queued_time, m.first_token_engine_time) == (0.25, 0.75) and m.first_token_time is not None
 
 
 def test_a_large_core_message_that_arrives_in_pieces_is_read_whole_on_uvloop(tiny_text_checkpoint):

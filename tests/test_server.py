@@ -488,7 +488,8 @@ def test_metrics_parse_and_move(live):
     families = {f.name: f for f in prometheus_parser.text_string_to_metric_families(text)}
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens",
                  "generation_tokens", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
-                 "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+                 "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds", "request_prefill_time_seconds"):
         assert f"tinyvllm:{name}" in families, name
     assert families["tinyvllm:prompt_tokens"].type == "counter"
     assert families["tinyvllm:time_to_first_token_seconds"].type == "histogram"
@@ -507,6 +508,10 @@ def test_metrics_parse_and_move(live):
     assert moved("inter_token_latency_seconds_count") == 3  # one per token after the first
     assert moved("e2e_request_latency_seconds_count") == 1
     assert moved("time_to_first_token_seconds_sum") > 0
+    # The engine core's share of the time to first token: its queue and its prefill, both within it
+    assert moved("request_queue_time_seconds_count") == moved("request_prefill_time_seconds_count") == 1
+    queue, prefill = moved("request_queue_time_seconds_sum"), moved("request_prefill_time_seconds_sum")
+    assert queue >= 0 and prefill > 0 and queue + prefill < moved("time_to_first_token_seconds_sum")
 
 
 # ---- the load generator ----------------------------------------------------------------------------------

@@ -73,8 +73,9 @@ class EngineCoreOutputs:
     # entry -> (finish_reason: "stop", "length" or "abort"; stop_reason: the stop token id or string, or None)
     finished: dict[int, tuple[str, int | str | None]] = field(default_factory=dict)
     logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)  # entry -> its token's, where asked
-    # entry -> (prompt tokens served from the prefix cache, first scheduled time), on a sequence's first token
-    first: dict[int, tuple[int, float | None]] = field(default_factory=dict)
+    # entry -> on a sequence's first token: (prompt tokens served from the prefix cache, and the core's times
+    # (time.time()) of its queueing, first scheduling and of this token), for the latency metrics
+    first: dict[int, tuple[int, float, float | None, float]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.request_ids)

@@ -32,8 +32,14 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
+    """A request's times (time.time()): arrival and first/last token where the caller's engine saw them; queued,
+    first scheduled and first token in the engine core (another process behind the server), so that a time to
+    first token splits into the hops, the queue and the prefill (vLLM's queue and prefill times)."""
+
     arrival_time: float
+    queued_time: float | None = None  # the engine core took it in
     first_scheduled_time: float | None = None
+    first_token_engine_time: float | None = None  # the engine core had its first token
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None

@@ -93,7 +93,8 @@ class OutputProcessor:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
                 if entry in first:
-                    metrics.num_cached_tokens, metrics.first_scheduled_time = first[entry]
+                    (metrics.num_cached_tokens, metrics.queued_time, metrics.first_scheduled_time,
+                     metrics.first_token_engine_time) = first[entry]
             metrics.last_token_time = now
             # (a final_only request has an output only when it finishes, which takes a completion finishing)
             if request.output_kind != "final_only" or completion.finish_reason is not None:

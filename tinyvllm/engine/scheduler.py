@@ -242,7 +242,7 @@ class Scheduler:
             if logprobs is not None:
                 outputs.logprobs[entry] = logprobs
             if len(seq.token_ids) == seq.num_prompt_tokens + 1:
-                outputs.first[entry] = (seq.num_cached_tokens, seq.first_scheduled_time)
+                outputs.first[entry] = (seq.num_cached_tokens, seq.queued_time, seq.first_scheduled_time, time.time())
         if self.block_manager.enable_prefix_caching:
             self.block_manager.cache_full_blocks(map(seqs.get, out.seq_ids))
         if finished:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 
 from tinyvllm.sampling_params import SamplingParams
 
@@ -47,6 +48,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.queued_time = time.time()  # when the engine core took it in (wall clock, as the API process's)
         self.first_scheduled_time: float | None = None
 
     @property

@@ -82,7 +82,12 @@ class ServerMetrics:
                                                "Per request: decode time over output tokens after the first.",
                                                _LATENCY_BUCKETS)
         self.e2e_latency = histogram("e2e_request_latency_seconds", "Arrival to last token.", _REQUEST_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS)
+        # (vLLM's: both in the engine core, so that time to first token less these two is the way between the
+        # API process and the core, there and back)
+        self.queue_time = histogram("request_queue_time_seconds", "Queued in the engine core to first scheduled.",
+                                    _LATENCY_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds",
+                                      "First scheduled to first token, in the engine core.", _LATENCY_BUCKETS)
         self._success = Counter(PREFIX + "request_success", "Requests finished, by finish reason.",
                                 ["model_name", "finished_reason"], registry=registry)
         self.requests_in_server = Gauge(PREFIX + "num_requests_in_server", "HTTP requests being served.",
@@ -137,6 +142,10 @@ class RequestTracker:
         intervals = new_tokens if previous is not None else new_tokens - 1
         if previous is None and m.first_token_time is not None:
             self.metrics.time_to_first_token.observe(m.first_token_time - m.arrival_time)
+            if m.first_scheduled_time is not None and m.queued_time is not None:
+                self.metrics.queue_time.observe(m.first_scheduled_time - m.queued_time)
+                if m.first_token_engine_time is not None:
+                    self.metrics.prefill_time.observe(m.first_token_engine_time - m.first_scheduled_time)
         since = previous if previous is not None else m.first_token_time
         if intervals > 0 and since is not None and m.last_token_time >= since:
             gap = (m.last_token_time - since) / intervals
@@ -151,5 +160,3 @@ class RequestTracker:
             if m.first_token_time is not None and num_tokens > 1:
                 self.metrics.time_per_output_token.observe((m.last_token_time - m.first_token_time)
                                                            / (num_tokens - 1))
-            if m.first_scheduled_time is not None:
-                self.metrics.queue_time.observe(m.first_scheduled_time - m.arrival_time)
