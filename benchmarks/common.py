@@ -57,3 +57,36 @@ def gpu_name() -> str:
     import torch
 
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+class GcWatch:
+    """Python's cyclic collections while it is open (`with GcWatch() as gc_watch:`): how many of each generation
+    and their pause in total, so that a run's figures say whether a collection landed inside it."""
+
+    def __init__(self) -> None:
+        self.counts = [0, 0, 0]
+        self.ms = 0.0
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        import time
+
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.counts[info["generation"]] += 1
+            self.ms += (time.perf_counter() - self._start) * 1e3
+
+    def __enter__(self) -> GcWatch:
+        import gc
+
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import gc
+
+        gc.callbacks.remove(self._callback)
+
+    def __str__(self) -> str:
+        return f"GC: {'/'.join(map(str, self.counts))} collections (generation 0/1/2), {self.ms:.1f} ms"

@@ -13,7 +13,7 @@ import random
 import statistics
 import time
 
-from common import commit, gpu_name
+from common import GcWatch, commit, gpu_name
 
 
 def run(llm, prompts, max_tokens, recorder=None):
@@ -26,15 +26,16 @@ def run(llm, prompts, max_tokens, recorder=None):
     llm.generate(prompts[:1], params, use_tqdm=False)
     if recorder is not None:
         recorder.clear()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts[1:], params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    with GcWatch() as gc_watch:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts[1:], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     stats = llm.llm_engine.get_stats()
     hit_rate = stats["prefix_cache_hits"] / max(stats["prefix_cache_queries"], 1)
     return {"output_tok_per_s": generated / seconds, "seconds": seconds,
-            "ttft_median_ms": statistics.median(ttft) * 1e3, "hit_rate": hit_rate}
+            "ttft_median_ms": statistics.median(ttft) * 1e3, "hit_rate": hit_rate, "gc": str(gc_watch)}
 
 
 def main() -> None:
@@ -98,7 +99,8 @@ def main() -> None:
         r = run(llm, prompts, out_len, recorder)
         results.setdefault((caching, cascade), []).append(r)
         print(f"  prefix {name}: {r['output_tok_per_s']:,.0f} output tok/s "
-              f"({r['seconds']:.2f} s), median TTFT {r['ttft_median_ms']:.0f} ms, hit rate {r['hit_rate']:.0%}")
+              f"({r['seconds']:.2f} s), median TTFT {r['ttft_median_ms']:.0f} ms, hit rate {r['hit_rate']:.0%}; "
+              f"{r['gc']}")
         if args.trace:
             from throughput import print_trace, summarize_trace
 

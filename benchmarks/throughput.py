@@ -16,7 +16,7 @@ import os
 import re
 import time
 
-from common import commit, gpu_name, random_llama_1b, random_llama_tiny
+from common import GcWatch, commit, gpu_name, random_llama_1b, random_llama_tiny
 
 SPEED_OF_LIGHT = 70_700  # output tok/s, docs/benchmarks.md
 
@@ -167,7 +167,8 @@ def main() -> None:
                   **engine_kwargs)
         recorder = StepRecorder.attach(llm) if args.trace or args.plot else None
         try:
-            r = run_throughput(llm, prompts, params, on_start=recorder.clear if recorder is not None else None)
+            with GcWatch() as gc_watch:  # (the warm-up's collections too: it is short)
+                r = run_throughput(llm, prompts, params, on_start=recorder.clear if recorder is not None else None)
         finally:
             llm.llm_engine.shutdown()  # the tensor-parallel workers, before the next engine starts its own
         if args.trace:
@@ -178,7 +179,7 @@ def main() -> None:
         light = "" if args.small else (f", {r['output_tok_per_s'] / SPEED_OF_LIGHT:.0%} of the ~{SPEED_OF_LIGHT:,} "
                                        "tok/s speed of light")
         print(f"  tinyvllm {name}: {r['output_tok_per_s']:,.0f} output tok/s ({r['seconds']:.1f} s, "
-              f"{r['preemptions']} preemptions){light}")
+              f"{r['preemptions']} preemptions){light}; {gc_watch}")
         if args.trace:
             print_trace(r["trace"])
         if args.plot:
