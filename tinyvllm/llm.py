@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from tinyvllm.config import EngineConfig
-from tinyvllm.engine import gc_policy
 from tinyvllm.engine.input_processor import Message, PromptType
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.outputs import RequestOutput
@@ -74,13 +73,12 @@ class LLM:
 
             bar = tqdm(total=len(prompts), desc="Processed prompts", dynamic_ncols=True)
         try:
-            with gc_policy.serving():  # (engine/gc_policy.py: fewer collections, each of less)
-                while len(finished) < len(ids):
-                    for output in engine.step():
-                        if output.finished:
-                            finished[output.request_id] = output
-                            if bar is not None:
-                                bar.update(1)
+            while len(finished) < len(ids):
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        if bar is not None:
+                            bar.update(1)
         except BaseException:
             for request_id in ids:
                 engine.abort_request(request_id)

@@ -11,6 +11,7 @@ If the core process dies, every call raises EngineCoreDeadError: the server fail
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -24,12 +25,12 @@ import torch
 
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.contract import EngineCoreOutputs
-from tinyvllm.engine import gc_policy
 from tinyvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 1800.0  # model load, GGUF conversion, graph capture
+_GC_YOUNG_THRESHOLD = 10_000  # the core process's allocations between young-generation collections (Python: 700)
 
 
 class EngineCoreDeadError(RuntimeError):
@@ -57,7 +58,14 @@ def _core_main(config: EngineConfig, model_config: ModelConfig, model_path: str,
         message = str(e) if isinstance(e, ValueError) else traceback.format_exc()
         server.broadcast(("error", message, isinstance(e, ValueError)))
         return
-    gc_policy.freeze_for_life()  # (what is alive now lives as long as this process)
+    # What is alive now lives as long as this process (the model, the graphs, the libraries' objects): frozen out
+    # of the cyclic collector's sight, as vLLM's engine core does, so that a full collection, when the allocations
+    # of serving set one off, walks only what serving made. And the young generation is collected every
+    # _GC_YOUNG_THRESHOLD allocations instead of 700: the requests' token lists, alive for a whole request, were
+    # walked again at each of the many small collections (benchmarks/RESULTS.md has both measurements).
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(_GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     try:
         server.broadcast(("ready", core.kv_capacity_tokens, core.get_stats()))
         server.run(core)
