@@ -207,6 +207,35 @@ def test_chat_streamed_equals_unstreamed(live, offline):
     assert all(c.usage is None for c in chunks)  # no include_usage, no usage chunk
 
 
+def test_done_ends_the_body_in_the_same_message():
+    """`data: [DONE]` and the end of the body are one ASGI message (so one write): a client that stops reading
+    at [DONE] finds the response complete, and its connection is reused rather than closed."""
+    from tinyvllm.entrypoints.openai.serving import EventStream
+
+    class Stub:
+        def abort(self) -> None: ...
+        def close(self) -> None: ...
+
+    async def events():
+        yield '{"a": 1}'
+        yield '{"a": 2}'
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(60)  # (no disconnect)
+        return {"type": "http.disconnect"}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "method": "POST", "headers": []}
+    asyncio.run(EventStream(events(), Stub(), Stub())(scope, receive, send))  # type: ignore[arg-type]
+    assert [m["type"] for m in sent] == ["http.response.start"] + ["http.response.body"] * 3
+    assert [(m["body"], m["more_body"]) for m in sent[1:]] == [
+        (b'data: {"a": 1}\n\n', True), (b'data: {"a": 2}\n\n', True), (b"data: [DONE]\n\n", False)]
+
+
 def test_completion_prompt_forms(live):
     """A prompt as a string, a list of strings, token ids, or a list of token-id lists; n per prompt."""
     http = live.http()

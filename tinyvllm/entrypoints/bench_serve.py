@@ -115,12 +115,14 @@ async def _send(client: Any, url: str, payload: dict[str, Any], headers: dict[st
                 body = (await response.read()).decode(errors="replace")
                 result.error = f"HTTP {response.status}: {body[:300]}"
                 return result
-            async for raw in response.content:  # (line by line)
+            # (line by line, to the end of the response, past [DONE]: a response read whole leaves its connection
+            # for the next request; one left unread closes it, and the next request waits for a new connection)
+            async for raw in response.content:
                 if not raw.startswith(b"data:"):
                     continue
                 data = raw[5:].strip()
                 if data == b"[DONE]":
-                    break
+                    continue
                 chunk = json.loads(data)
                 if "error" in chunk:
                     result.error = str(chunk["error"].get("message", chunk["error"]))

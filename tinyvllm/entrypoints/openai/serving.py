@@ -63,11 +63,18 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
     return JSONResponse(error_body(status, message, param), status_code=status)
 
 
+_DONE_FRAME = "data: [DONE]\n\n"
+
+
 class EventStream(StreamingResponse):
     """Server-sent events: each payload `events` yields, then `data: [DONE]`. If the engine aborts the
     request midway, an error event ends it instead. However the response ends (finished, failed, or the
     client gone before the first byte, when the generator never even starts), the engine requests are
-    aborted, which frees their KV blocks, and the tracker counts the unfinished completions as aborted."""
+    aborted, which frees their KV blocks, and the tracker counts the unfinished completions as aborted.
+
+    `data: [DONE]` and the end of the body go out in one write: a client that stops reading at [DONE] (many
+    do) then finds the connection's response complete and can reuse it; sent apart, the end often came after
+    the client had given up on the connection, and its next request paid for a new one."""
 
     def __init__(self, events: AsyncIterator[str], stream: RequestStream, tracker: RequestTracker) -> None:
         super().__init__(self._frames(events, stream, tracker), media_type="text/event-stream",
@@ -86,7 +93,12 @@ class EventStream(StreamingResponse):
         finally:
             stream.abort()
             tracker.close()
-        yield "data: [DONE]\n\n"
+        yield _DONE_FRAME
+
+    async def stream_response(self, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for frame in self.body_iterator:  # (_frames: [DONE] is its last)
+            await send({"type": "http.response.body", "body": frame.encode(), "more_body": frame is not _DONE_FRAME})
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
