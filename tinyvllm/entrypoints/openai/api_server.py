@@ -291,24 +291,25 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     async def models() -> JSONResponse:
         return JSONResponse(server.models().model_dump())
 
-    @app.post("/v1/completions")
+    # The routes that take a body are plain Starlette routes: each reads and checks its body itself (prepare),
+    # so FastAPI's per-request dependency solving would only add to every request's time to first token.
     async def completions(raw_request: Request) -> Response:
         prepared = await prepare(raw_request, CompletionRequest, completion.prepare)
         return await completion.create_completion(prepared, raw_request)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(raw_request: Request) -> Response:
         prepared = await prepare(raw_request, ChatCompletionRequest, chat.prepare)
         return await chat.create_chat_completion(prepared, raw_request)
 
-    @app.post("/tokenize")
     async def tokenize(raw_request: Request) -> JSONResponse:
         return JSONResponse((await prepare(raw_request, TokenizeRequest, server.tokenize)).model_dump())
 
-    @app.post("/detokenize")
     async def detokenize(raw_request: Request) -> JSONResponse:
         return JSONResponse((await prepare(raw_request, DetokenizeRequest, server.detokenize)).model_dump())
 
+    for path, endpoint in (("/v1/completions", completions), ("/v1/chat/completions", chat_completions),
+                           ("/tokenize", tokenize), ("/detokenize", detokenize)):
+        app.add_route(path, endpoint, methods=["POST"])
     return app
 
 

@@ -151,7 +151,8 @@ class OpenAIServing:
     def prompt_token_ids(self, prompt: Any) -> list[list[int]]:
         """A completion request's prompt (text, token ids, or a list of either) as token-id lists; a text
         too long to fit is refused before any is tokenized."""
-        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        # (one prompt of token ids by its first item: the input processor checks every id, in C)
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         if not prompt:
             raise APIError(400, "prompt must not be empty", "prompt")
