@@ -254,6 +254,31 @@ def test_padded_shapes_change_no_token(llama_1b: str) -> None:
         assert through_graphs == padded == generated(llm, prompts, params)
 
 
+def test_one_sequence_steps_in_whole_graphs(llama_1b: str) -> None:
+    """float32: a prompt that comes alone runs its prompt steps as whole CUDA graphs, attention captured in them
+    (PiecewiseCudaGraphs.run_whole): a 300-token prompt in a chunk of 256 tokens and one of 44 on those 256 in the
+    cache, then a 130-token prompt; their tokens are those of the same steps through the piecewise graphs and run
+    eagerly (prefix caching off, so that every run takes the same steps)."""
+    from tinyvllm import SamplingParams
+
+    with float32_llm(llama_1b, max_model_len=2048, max_num_batched_tokens=256, enable_prefix_caching=False) as llm:
+        runner = llm.llm_engine.engine_core.model_runner
+        pieces = runner.piecewise_graphs
+        assert pieces.whole and max(pieces.whole) == 256, sorted(pieces.whole)
+        calls: list[int] = []
+        run_whole = pieces.run_whole
+        pieces.run_whole = lambda ids, *rest: (calls.append(ids.shape[0]), run_whole(ids, *rest))[1]
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        prompts = [[(j * 13 + 5) % 10000 for j in range(300)], [(j * 17 + 3) % 10000 for j in range(130)]]
+        whole = [generated(llm, [p], params)[0] for p in prompts]
+        assert calls == [256, 44, 130], f"steps through the whole graphs: {calls}"
+        pieces.whole = {}
+        piecewise = [generated(llm, [p], params)[0] for p in prompts]
+        runner.piecewise_graphs = None
+        eager = [generated(llm, [p], params)[0] for p in prompts]
+        assert whole == piecewise == eager
+
+
 def test_decode_graphs_end_in_the_same_tokens(llama_1b: str) -> None:
     """float32: decode steps through the CUDA graphs that end in tokens (the LM head and the sampler captured)
     draw what the graphs that end in hidden states, with the LM head and the sampler launched after them, draw:

@@ -1,5 +1,5 @@
 """CUDA graphs: whole decode steps (CudaGraphs), and the pieces between attention calls of steps that hold
-prompt tokens (PiecewiseCudaGraphs).
+prompt tokens, or whole steps where those are one sequence's (PiecewiseCudaGraphs).
 
 A decode step of a small model is tens of kernel launches per layer: on a slow host CPU, launching them
 costs more than running them. Each batch size of a ladder gets a graph captured once, over one persistent
@@ -223,6 +223,9 @@ class _Pieces:
 
 
 PIECEWISE_MAX_TOKENS = 8192  # the largest step the piecewise graphs take (max_num_batched_tokens' default)
+# One sequence's prompt steps up to this many tokens (a request's first step when it comes alone, as at low load)
+# are whole graphs, attention inside: its grid is fixed by the token count once the batch is one sequence.
+WHOLE_GRAPH_MAX_TOKENS = 2048
 
 
 class PiecewiseCudaGraphs:
@@ -234,11 +237,17 @@ class PiecewiseCudaGraphs:
     instead of tens of launches: on a slow host, launching an eager step took longer than the GPU ran it, and a
     step of prompts launched after the step before had finished on the GPU (async scheduling hides only what is
     shorter than that step). Padding tokens (to the ladder's size) store no K/V (slot -1) and attend to nothing;
-    every other op works row by row, so they cannot touch the real ones."""
+    every other op works row by row, so they cannot touch the real ones.
+
+    A step of one sequence alone (max_blocks_per_seq given) up to WHOLE_GRAPH_MAX_TOKENS is one graph, attention
+    included: with one sequence, the prefill kernel's grid depends on the token count alone (its query tiles past
+    the sequence's length return at once), and the sequence's lengths and block table are read from buffers of
+    the graph's own. That is a request's first step whenever it arrives alone, so it takes the launches of 16
+    attention calls and 16 graph cuts off its time to first token."""
 
     @torch.inference_mode()
     def __init__(self, model: torch.nn.Module, max_num_tokens: int, device: torch.device,
-                 pool: tuple[int, int] | None = None) -> None:
+                 pool: tuple[int, int] | None = None, max_blocks_per_seq: int = 0) -> None:
         ladder = [*range(64, 512, 64), *range(512, 1024, 128), *range(1024, 2048, 256),
                   *range(2048, PIECEWISE_MAX_TOKENS + 1, 512)]
         self.token_counts = sorted({t for t in ladder if t < max_num_tokens}
@@ -263,10 +272,33 @@ class PiecewiseCudaGraphs:
 
             model(*args, meta(self._warm_up_attention))  # compiles the kernels outside the capture
             self.pieces[count] = self._capture(model, args, meta)
-        for pieces in self.pieces.values():
-            for graph in pieces.graphs:
-                graph.replay()  # the first replay uploads the graph: pay for it now, not mid-run
+        # One sequence's attention metadata, in buffers that its whole graphs read
+        self.cu_query_lens = torch.zeros(2, dtype=torch.int32, device=device)
+        self.context_lens = torch.zeros(1, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(1, max(max_blocks_per_seq, 1), dtype=torch.int32, device=device)
+        self.whole: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # count -> (graph, its output)
+        if max_blocks_per_seq:
+            for count in reversed([t for t in self.token_counts if t <= WHOLE_GRAPH_MAX_TOKENS]):
+                self.whole[count] = self._capture_whole(model, count)
+        graphs = [g for pieces in self.pieces.values() for g in pieces.graphs] + [g for g, _ in self.whole.values()]
+        for graph in graphs:
+            graph.replay()  # the first replay uploads the graph: pay for it now, not mid-run
         torch.cuda.synchronize()
+
+    def _capture_whole(self, model: torch.nn.Module, count: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """A graph of the whole forward pass of one sequence's `count` tokens (run once before, so that it compiles
+        outside the capture; its slots are -1, so neither run stores K/V)."""
+        self.cu_query_lens[1] = count
+        self.context_lens[0] = count
+        meta = AttentionMetadata(self.cu_query_lens, self.context_lens, self.block_tables, self.slot_mapping[:count],
+                                 max_query_len=count, max_context_len=count)
+        args = (self.input_ids[:count], self.positions[:count], meta)
+        model(*args)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = model(*args)
+        self.pool = graph.pool()
+        return graph, output
 
     def _warm_up_attention(self, q: torch.Tensor, *rest: object) -> torch.Tensor:
         """Attention in the warm-up runs (the largest count first): allocates the query and output buffers."""
@@ -307,6 +339,25 @@ class PiecewiseCudaGraphs:
 
     def fits(self, num_tokens: int) -> bool:
         return num_tokens <= self.token_counts[-1]
+
+    def fits_whole(self, num_seqs: int, num_tokens: int) -> bool:
+        """Whether a step of these sequences and tokens runs as one whole graph (run_whole)."""
+        return num_seqs == 1 and bool(self.whole) and num_tokens <= max(self.whole)
+
+    def run_whole(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The hidden states of one sequence's step (fits_whole), through the whole graph of the next count up."""
+        n = input_ids.shape[0]
+        count = min(t for t in self.whole if t >= n)
+        graph, output = self.whole[count]
+        self.input_ids[:n] = input_ids
+        self.positions[:n] = positions
+        self.slot_mapping[:n] = meta.slot_mapping
+        self.slot_mapping[n:count] = -1
+        self.cu_query_lens.copy_(meta.cu_query_lens)
+        self.context_lens.copy_(meta.context_lens)
+        self.block_tables[:, : meta.block_tables.shape[1]] = meta.block_tables  # (columns past it are never read)
+        graph.replay()
+        return output[:n]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The hidden states of a step of `num_tokens` tokens, through the pieces of the next count up."""

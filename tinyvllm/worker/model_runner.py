@@ -1,8 +1,8 @@
 """The ModelRunner owns the model and its KV cache. Each step it takes a SchedulerOutput (plain data),
 updates its own state of the sequences it holds (input_batch.py), builds the batch's tensors, runs the
-forward pass (through a CUDA graph for decode steps, and through graphs of the pieces between attention calls
-for other steps of up to 2,048 tokens, when it can), and samples the next token of every
-sequence whose last known token was in the step. It imports nothing from the engine."""
+forward pass (through a CUDA graph for decode steps and for one sequence's prompt steps, and through graphs of
+the pieces between attention calls for other steps of up to 8,192 tokens, when it can), and samples the next token
+of every sequence whose last known token was in the step. It imports nothing from the engine."""
 
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ class ModelRunner:
                                           model_config.hidden_size, dtype, device, config.cascade_attention,
                                           tail=self.draw)
             self.piecewise_graphs = PiecewiseCudaGraphs(model, config.max_num_batched_tokens, device,
-                                                        self.cuda_graphs.pool)
+                                                        self.cuda_graphs.pool, self.max_blocks_per_seq)
         self.fixed_shapes = device.type == "cuda"  # (on the CPU shapes cost nothing: the batch runs as it is)
         self.logits_rows = size_ladder(config.max_num_seqs)  # (a step samples at most a row per sequence)
         if self.fixed_shapes and tp.size == 1:  # (with several ranks a warm-up would need them all)
@@ -274,6 +274,8 @@ class ModelRunner:
             hidden = graphs.replay(inputs.graph_size, inputs.shared_prefix, mode)
             if mode is not None:
                 hidden, tokens = None, hidden[:num_seqs]
+        elif pieces is not None and pieces.fits_whole(num_seqs, inputs.input_ids.shape[0]):
+            hidden = pieces.run_whole(inputs.input_ids, inputs.positions, inputs.meta)
         elif self._runs_in_graphs(inputs.input_ids.shape[0]):
             hidden = pieces.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
