@@ -90,16 +90,18 @@ def run_latency(llm: Any, prompt_len: int = 128, output_len: int = 256, seed: in
     prompts = [random_prompt() for _ in range(batch_size)]
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)  # warm-up
-    ttfts = []
+    # Two tokens each, run to their end: the first step launches the second's step before it reads the first
+    # token, as any request's does. (An abort instead left that step in flight, and the next request's first
+    # token came one engine step later: after that stale step had been read back and its outputs processed.)
+    ttfts, two = [], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     for i in range(ttft_samples):
         prompt, request_id = random_prompt(), f"ttft-{i}"
         _sync(llm)
         start = time.perf_counter()
-        engine.add_request(request_id, prompt, params, output_kind="delta")
+        engine.add_request(request_id, prompt, two, output_kind="delta")
         while not any(o.request_id == request_id and o.outputs[0].token_ids for o in engine.step()):
             pass
         ttfts.append(time.perf_counter() - start)
-        engine.abort_request(request_id)
         while engine.has_unfinished_requests():
             engine.step()
     for i, prompt in enumerate(prompts):
