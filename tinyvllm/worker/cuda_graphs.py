@@ -242,8 +242,8 @@ class PiecewiseCudaGraphs:
     A step of one sequence alone (max_blocks_per_seq given) up to WHOLE_GRAPH_MAX_TOKENS is one graph, attention
     included: with one sequence, the prefill kernel's grid depends on the token count alone (its query tiles past
     the sequence's length return at once), and the sequence's lengths and block table are read from buffers of
-    the graph's own. That is a request's first step whenever it arrives alone, so it takes the launches of 16
-    attention calls and 16 graph cuts off its time to first token."""
+    the graph's own. That is a request's first step whenever it arrives alone: its host work falls from a replay
+    and an attention launch per layer to one replay and a few copies (benchmarks/RESULTS.md has the figures)."""
 
     @torch.inference_mode()
     def __init__(self, model: torch.nn.Module, max_num_tokens: int, device: torch.device,
