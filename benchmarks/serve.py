@@ -117,9 +117,9 @@ def server_sums(url: str) -> dict[str, float]:
     sums: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            for part in _SERVER_PARTS:
-                if sample.name in (f"tinyvllm:{part}_seconds_sum", f"tinyvllm:{part}_seconds_count"):
-                    sums[sample.name.split(":", 1)[1]] = sums.get(sample.name, 0.0) + sample.value
+            name = sample.name.split(":", 1)[-1]
+            if name.endswith(("_seconds_sum", "_seconds_count")) and name.rsplit("_seconds_", 1)[0] in _SERVER_PARTS:
+                sums[name] = sums.get(name, 0.0) + sample.value
     return sums
 
 
