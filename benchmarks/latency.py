@@ -198,7 +198,8 @@ def main() -> None:
                                      (f"tensor_parallel_size {args.tensor_parallel_size}",
                                       args.tensor_parallel_size > 1)) if on)
     floor = "" if args.small else f", {FLOOR_MS / ours['tpot_ms_median']:.0%} of the {FLOOR_MS} ms bandwidth floor"
-    print("  (TTFT: the median of 16 requests, one at a time, for tinyvllm; of 5 for transformers)")
+    print(f"  (TTFT: the median of {ours['ttft_samples']} requests, one at a time, for tinyvllm; of 5 for "
+          "transformers)")
     print(f"  tinyvllm{f' ({mode})' if mode else ''}: TTFT {ours['ttft_ms']:.2f} ms, "
           f"TPOT median {ours['tpot_ms_median']:.3f} ms ({ours['tok_per_s']:.0f} tok/s){floor}")
     print(f"  where a decode step's time goes (ms per step, mean of {decode_steps}; with async scheduling a step is "

@@ -122,6 +122,7 @@ def run_latency(llm: Any, prompt_len: int = 128, output_len: int = 256, seed: in
         "tpot_ms_mean": statistics.mean(decode) * 1e3,
         "tok_per_s": batch_size / statistics.median(decode),
         "total_s": total,
+        "ttft_samples": len(ttfts),
     }
 
 

@@ -342,17 +342,25 @@ class PiecewiseCudaGraphs:
 
     def fits_whole(self, num_seqs: int, num_tokens: int) -> bool:
         """Whether a step of these sequences and tokens runs as one whole graph (run_whole)."""
+        # (the whole graphs' counts are the ladder's up to the largest, so the next count up of a step that fits
+        # has one)
         return num_seqs == 1 and bool(self.whole) and num_tokens <= max(self.whole)
 
-    def run_whole(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The hidden states of one sequence's step (fits_whole), through the whole graph of the next count up."""
+    def _load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> tuple[int, int]:
+        """Copy a step's tokens into the graphs' inputs, padded up to the next count of the ladder (padding: slot
+        -1); its token count and that count."""
         n = input_ids.shape[0]
-        count = min(t for t in self.whole if t >= n)
-        graph, output = self.whole[count]
+        count = next(t for t in self.token_counts if t >= n)
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
         self.slot_mapping[:n] = meta.slot_mapping
         self.slot_mapping[n:count] = -1
+        return n, count
+
+    def run_whole(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The hidden states of one sequence's step (fits_whole), through the whole graph of the next count up."""
+        n, count = self._load(input_ids, positions, meta)
+        graph, output = self.whole[count]
         self.cu_query_lens.copy_(meta.cu_query_lens)
         self.context_lens.copy_(meta.context_lens)
         self.block_tables[:, : meta.block_tables.shape[1]] = meta.block_tables  # (columns past it are never read)
@@ -361,12 +369,7 @@ class PiecewiseCudaGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The hidden states of a step of `num_tokens` tokens, through the pieces of the next count up."""
-        n = input_ids.shape[0]
-        count = next(t for t in self.token_counts if t >= n)
-        self.input_ids[:n] = input_ids
-        self.positions[:n] = positions
-        self.slot_mapping[:n] = meta.slot_mapping
-        self.slot_mapping[n:count] = -1
+        n, count = self._load(input_ids, positions, meta)
         pieces = self.pieces[count]
         assert self.query is not None and self.attn_out is not None
         for graph, (k_cache, v_cache, scale) in zip(pieces.graphs, pieces.attention):
