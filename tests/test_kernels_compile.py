@@ -44,8 +44,10 @@ _SAMPLING = {"value_ptr": "*fp32", "index_ptr": "*i32", "cutoff_ptr": "*fp32", "
 _ROPE = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_ptr": "*i64"}
 _DECODE = dict(GROUP=4, BLOCK_G=4, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=64, USE_PDL=True)
 CASES = [
-    *[(_ATTENTION, "_paged_decode_kernel", {**_DECODE, "SINGLE_SPLIT": single, "SKIP_PREFIX": skip}, _PARTIALS, 4)
-      for single, skip in ((True, False), (False, False), (False, True))],
+    *[(_ATTENTION, "_paged_decode_kernel", {**_DECODE, "SINGLE_SPLIT": single, "SKIP_PREFIX": skip,
+                                            "MERGE_PREFIX": merge}, _PARTIALS, 4)
+      for single, skip, merge in ((True, False, False), (False, False, False), (False, True, False),
+                                  (False, True, True))],
     ("tinyvllm.ops.cascade_attention", "_cascade_prefix_kernel",
      dict(GROUP=4, BLOCK_M=64, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=64, USE_PDL=True), _PARTIALS, 4),
     *[(_ATTENTION, "_combine_splits_kernel", dict(HEADS=heads, BLOCK_SPLITS=64, BLOCK_N=64, HEAD_DIM=64,

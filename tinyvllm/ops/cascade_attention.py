@@ -6,13 +6,15 @@ partial results are merged by their log-sum-exp:
 
     out = (w_p * out_p + w_s * out_s) / (w_p + w_s),   w = exp2(lse - max(lse_p, lse_s))
 
-Three launches per layer, with grids from Python ints and the prefix length read on the device, so that one
-CUDA graph per batch size serves every prefix:
+Grids come from Python ints and the prefix length is read on the device, so that one CUDA graph per batch size
+serves every prefix:
 1. the prefix pass (_cascade_prefix_kernel): program (KV head, row tile, prefix split) attends a tile of
    (sequence, query head) rows, all the sequences' GROUP heads of that KV head, to one piece of the prefix
-   through the first sequence's block table (the blocks are the same for all);
-2. the suffix pass: attention.py's decode kernel with SKIP_PREFIX, keys from the prefix's end;
-3. the decode combine kernel with CASCADE, which merges the prefix's pieces and the suffix's alike."""
+   through the first sequence's block table (the blocks are the same for all), and writes a partial result;
+2. the suffix pass: attention.py's decode kernel with SKIP_PREFIX, keys from the prefix's end. Where it runs as
+   one split per sequence (large batches: cascade_plan's merge_in_suffix), it also merges the prefix's pieces
+   (MERGE_PREFIX) and writes the output: two launches, and the suffix's partial result never goes to memory;
+3. otherwise the decode combine kernel with CASCADE merges the prefix's pieces and the suffix's alike."""
 
 from __future__ import annotations
 
@@ -154,8 +156,8 @@ if triton is not None:
     # head kv_head * GROUP + r % GROUP; the tile attends to prefix keys split * partition .. min((split + 1) *
     # partition, prefix_len), cut as _split_partition cuts a context, through block_tables[0], and writes the
     # partial result and its log2-sum-exp to slot `split` of the row's num_slots. Rows of sequences without a
-    # token this step write nothing; a CUDA graph's padding rows (context 0) compute, and the combine kernel
-    # writes their zeros.
+    # token this step write nothing; a CUDA graph's padding rows (context 0) compute, and the merge (the suffix
+    # pass's or the combine kernel's) writes their zeros.
     @triton.jit(do_not_specialize=["num_rows", "num_prefix_splits", "num_slots"])
     def _cascade_prefix_kernel(
         partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_query_lens_ptr,
@@ -219,14 +221,18 @@ class CascadePlan(NamedTuple):
     min_partition: int
     decode_config: DecodeConfig
     prefix_config: PrefixConfig
+    merge_in_suffix: bool  # (one suffix split) the suffix pass merges the prefix's pieces: two launches, no combine
 
 
 def cascade_plan(
     q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata, num_prefix_splits: int | None = None,
     num_splits: int | None = None, config: DecodeConfig | None = None, prefix_config: PrefixConfig | None = None,
+    merge_in_suffix: bool | None = None,
 ) -> CascadePlan:
     """The splits and tiles of a cascade step. Forcing a split count lets pieces be as short as one BLOCK_N
-    tile (tests cut tiny prefixes and suffixes into several), as paged_decode_triton's num_splits does."""
+    tile (tests cut tiny prefixes and suffixes into several), as paged_decode_triton's num_splits does. A suffix
+    of one split merges the prefix's pieces itself unless merge_in_suffix is False (the combine kernel then does,
+    as for several splits; benchmarks compare the two)."""
     num_seqs, num_q_heads, num_kv_heads = meta.num_seqs, q.shape[1], k_cache.shape[2]
     decode = config or decode_config(q.shape[2], q.dtype)
     prefix = prefix_config or cascade_prefix_config(q.dtype)
@@ -238,34 +244,48 @@ def cascade_plan(
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, meta.max_context_len)
         num_splits = max(1, min(num_splits, _DECODE_MAX_SPLITS - num_prefix_splits))
+    if merge_in_suffix is None:
+        merge_in_suffix = num_splits == 1
+    elif merge_in_suffix and num_splits != 1:
+        raise ValueError(f"the suffix pass merges the prefix's pieces only when it runs as one split, not {num_splits}")
     return CascadePlan(num_prefix_splits, num_splits, decode[0] if forced else _DECODE_MIN_PARTITION, decode,
-                       prefix)
+                       prefix, merge_in_suffix)
 
 
-def cascade_partials_triton(
+def cascade_prefix_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    plan: CascadePlan,
+    plan: CascadePlan, num_slots: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Passes 1 and 2: partial results [B, Hq, P + S, D] float32 and their log2-sum-exp [B, Hq, P + S]; slots
-    0 .. P-1 hold the prefix's pieces, P .. P+S-1 the suffix's (pieces without keys are not written)."""
+    """Pass 1: partial results [B, Hq, num_slots, D] float32 and their log2-sum-exp [B, Hq, num_slots], the
+    prefix's pieces in slots 0 .. P-1 (pieces without keys are not written, nor the slots after P)."""
     num_seqs, num_q_heads, head_dim = meta.num_seqs, q.shape[1], q.shape[2]
     num_kv_heads, group = k_cache.shape[2], q.shape[1] // k_cache.shape[2]
-    num_slots = plan.num_prefix_splits + plan.num_splits
     partial_out = torch.empty((num_seqs, num_q_heads, num_slots, head_dim), dtype=torch.float32, device=q.device)
     partial_lse = torch.empty((num_seqs, num_q_heads, num_slots), dtype=torch.float32, device=q.device)
     block_m, num_warps, num_stages = plan.prefix_config
-    prefix_len = meta.common_prefix_len
     grid = (num_kv_heads, triton.cdiv(num_seqs * group, block_m), plan.num_prefix_splits)
     _cascade_prefix_kernel[grid](
-        partial_out, partial_lse, q, k_cache, v_cache, meta.block_tables, meta.cu_query_lens, prefix_len,
+        partial_out, partial_lse, q, k_cache, v_cache, meta.block_tables, meta.cu_query_lens, meta.common_prefix_len,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), scale * _LOG2E,
         num_seqs * group, num_q_heads, plan.num_prefix_splits, num_slots, plan.min_partition,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=plan.decode_config[0], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         num_warps=num_warps, num_stages=num_stages, **pdl_options(q),
     )
+    return partial_out, partial_lse
+
+
+def cascade_partials_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    plan: CascadePlan,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Passes 1 and 2 as the combine kernel takes them (whatever plan.merge_in_suffix says): partial results
+    [B, Hq, P + S, D] float32 and their log2-sum-exp [B, Hq, P + S]; slots 0 .. P-1 hold the prefix's pieces,
+    P .. P+S-1 the suffix's (pieces without keys are not written)."""
+    partial_out, partial_lse = cascade_prefix_triton(q, k_cache, v_cache, meta, scale, plan,
+                                                     plan.num_prefix_splits + plan.num_splits)
     launch_decode(partial_out, partial_out, partial_lse, q, k_cache, v_cache, meta, scale, plan.num_splits,
-                  plan.min_partition, plan.decode_config, prefix_len, plan.num_prefix_splits)
+                  plan.min_partition, plan.decode_config, meta.common_prefix_len, plan.num_prefix_splits)
     return partial_out, partial_lse
 
 
@@ -273,13 +293,21 @@ def cascade_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     plan: CascadePlan | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The Triton kernels of cascade_attention_ref (a decode step with meta.common_prefix_len set): the prefix
-    pass, the suffix pass and the combine, three launches and no host syncs. `plan` overrides cascade_plan."""
+    """The Triton kernels of cascade_attention_ref (a decode step with meta.common_prefix_len set), no host syncs:
+    the prefix pass, then the suffix pass merging the prefix's pieces (plan.merge_in_suffix), or the suffix pass
+    and the combine. `plan` overrides cascade_plan."""
     _check_shapes(q, k_cache, v_cache)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if q.shape[0] == 0 or meta.num_seqs == 0:
         return out
     plan = plan or cascade_plan(q, k_cache, meta)
+    if plan.merge_in_suffix:
+        partial_out, partial_lse = cascade_prefix_triton(q, k_cache, v_cache, meta, scale, plan,
+                                                         plan.num_prefix_splits)
+        launch_decode(out, partial_out, partial_lse, q, k_cache, v_cache, meta, scale, plan.num_splits,
+                      plan.min_partition, plan.decode_config, meta.common_prefix_len, plan.num_prefix_splits,
+                      merge_prefix=True)
+        return out
     partial_out, partial_lse = cascade_partials_triton(q, k_cache, v_cache, meta, scale, plan)
     launch_combine(out, partial_out, partial_lse, meta, plan.num_splits, plan.min_partition, plan.decode_config[0],
                    meta.common_prefix_len, plan.num_prefix_splits)
