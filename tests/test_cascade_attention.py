@@ -222,6 +222,19 @@ def test_merge_in_suffix_rounds_as_the_combine(dtype: torch.dtype) -> None:
     assert torch.equal(out[:q.shape[0]], fused)
 
 
+@pytest.mark.parametrize("prefix_config", [(16, 4, 1, 32), (16, 4, 1, 64, 128), (32, 4, 1, 16)])
+@pytest.mark.parametrize("prefix_splits", [3, 5])
+@pytest.mark.parametrize("merge_in_suffix", [True, False])
+def test_prefix_tile_steps_across_its_pieces(prefix_config: tuple, prefix_splits: int, merge_in_suffix: bool) -> None:
+    """The prefix pass may step through keys in tiles other than the pieces' steps (the decode tile's, 16 keys
+    here; 80 tokens in 3 splits are pieces of 32, 32 and 16, in 5 splits five of 16): a tile reaching past its
+    piece is masked, and the merge, in the suffix pass or the combine kernel, finds the same pieces."""
+    q, k_cache, v_cache, meta = shared_prefix_batch(80, [1, 20, 7, 33], 8, 2, idle=(2,), padding=1)
+    plan = cascade_plan(q, k_cache, meta, prefix_splits, 1, (16, 4, 1), prefix_config, merge_in_suffix)
+    out = cascade_attention_triton(q, k_cache, v_cache, meta, 0.2, plan)
+    _close(out, cascade_attention_ref(q, k_cache, v_cache, meta, 0.2))
+
+
 def test_cascade_plan_merges_in_suffix_at_large_batches() -> None:
     """The Llama-3.2-1B shape (32 query heads, 8 KV heads): batches of 64 and more run the suffix as one split and
     merge the prefix there (two launches); 32 sequences cut their suffixes in two and keep the combine."""

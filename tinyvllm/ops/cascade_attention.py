@@ -149,31 +149,47 @@ def cascade_attention_ref(
 # ---------------------------------------------------------------------------------------------- Triton kernels
 
 if triton is not None:
-    from tinyvllm.ops.attention import _attend_keys, _split_partition, _store_partial, launch_combine, launch_decode
+    from tinyvllm.ops.attention import (
+        _attend_keys,
+        _prefetch_tile,
+        _split_partition,
+        _store_partial,
+        launch_combine,
+        launch_decode,
+    )
     from tinyvllm.ops.pdl import pdl_options, pdl_wait
 
     # The prefix pass: program (kv head, row tile, split). Row r of the tile is sequence r // GROUP's query
     # head kv_head * GROUP + r % GROUP; the tile attends to prefix keys split * partition .. min((split + 1) *
-    # partition, prefix_len), cut as _split_partition cuts a context, through block_tables[0], and writes the
-    # partial result and its log2-sum-exp to slot `split` of the row's num_slots. Rows of sequences without a
-    # token this step write nothing; a CUDA graph's padding rows (context 0) compute, and the merge (the suffix
-    # pass's or the combine kernel's) writes their zeros.
+    # partition, prefix_len), cut as _split_partition cuts a context in SPLIT_N-token steps (the decode tile's, as
+    # the merge expects), BLOCK_N keys at a time, through block_tables[0], and writes the partial result and its
+    # log2-sum-exp to slot `split` of the row's num_slots. Rows of sequences without a token this step write
+    # nothing; a CUDA graph's padding rows (context 0) compute, and the merge (the suffix pass's or the combine
+    # kernel's) writes their zeros.
     @triton.jit(do_not_specialize=["num_rows", "num_prefix_splits", "num_slots"])
     def _cascade_prefix_kernel(
         partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_query_lens_ptr,
         prefix_len_ptr, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         qk_scale, num_rows, num_q_heads, num_prefix_splits, num_slots, min_partition,
-        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
+        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
     ):
-        pdl_wait(USE_PDL)
+        # Before the wait, what the kernel before (storing this step's K and V, which are never the prefix's) cannot
+        # change: the prefix's length, its blocks and its keys. The row tiles of a piece ask L2 for its key tiles
+        # between them (row tile t for tile t, modulo their number), so that the first reads after the wait hit L2.
         kv_head, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         prefix_len = tl.load(prefix_len_ptr)
-        partition = _split_partition(prefix_len, num_prefix_splits, min_partition, BLOCK_N)
+        partition = _split_partition(prefix_len, num_prefix_splits, min_partition, SPLIT_N)
         start = split * partition
+        end = tl.minimum(start + partition, prefix_len)
+        k_base = k_cache_ptr + kv_head * stride_kh
+        v_base = v_cache_ptr + kv_head * stride_vh
+        key_tiles = tl.maximum(tl.cdiv(end - start, BLOCK_N), 1)
+        _prefetch_tile(start + (tile % key_tiles) * BLOCK_N, end, block_tables_ptr, k_base, v_base, stride_kb,
+                       stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, HEAD_DIM, USE_PDL)
+        pdl_wait(USE_PDL)
         if start >= prefix_len:
             return
-        end = tl.minimum(start + partition, prefix_len)
 
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         seq = rows // GROUP
@@ -186,16 +202,23 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=row_valid[:, None], other=0.0)
-        out, lse = _attend_keys(q, start, end, block_tables_ptr, k_cache_ptr + kv_head * stride_kh,
-                                v_cache_ptr + kv_head * stride_vh, stride_kb, stride_ks, stride_vb, stride_vs,
-                                qk_scale, BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
+        out, lse = _attend_keys(q, start, end, block_tables_ptr, k_base, v_base, stride_kb, stride_ks, stride_vb,
+                                stride_vs, qk_scale, BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
         part = (seq * num_q_heads + head).to(tl.int64) * num_slots + split
         _store_partial(partial_out_ptr, partial_lse_ptr, part, out, lse, row_valid, HEAD_DIM)
 
 
-# (BLOCK_M, num_warps, num_stages) of the prefix pass; its BLOCK_N is the decode tile's, so that the combine
-# kernel cuts the prefix into the same pieces as the prefix pass did.
-PrefixConfig = tuple[int, int, int]
+class PrefixConfig(NamedTuple):
+    """The prefix pass's tile. Its pieces are cut at the decode tile's BLOCK_N whatever block_n is, so that the
+    merge cuts the prefix into the same pieces as the prefix pass did; a plain (BLOCK_M, warps, stages) tuple
+    also serves."""
+
+    block_m: int  # (sequence, query head) rows per program
+    num_warps: int
+    num_stages: int
+    block_n: int | None = None  # keys per step of the online softmax; None: the decode tile's
+    max_registers: int | None = None  # a cap per thread (more programs per SM), as gemv.py's; None: the compiler's
+
 
 # The prefix pass aims at this many programs (KV heads x row tiles x prefix splits): enough to spread a prefix
 # over the GPU at small batches, while each split adds a partial result per (sequence, head) row to write and
@@ -209,8 +232,8 @@ def cascade_prefix_config(dtype: torch.dtype) -> PrefixConfig:
     for exact float32 products (no tensor cores). One tile whatever the batch, so that an eager step and a
     CUDA graph of a larger size round each row alike."""
     if dtype == torch.float32:
-        return 32, 4, 1
-    return 64, 4, 3
+        return PrefixConfig(32, 4, 1)
+    return PrefixConfig(64, 4, 3)
 
 
 class CascadePlan(NamedTuple):
@@ -235,10 +258,10 @@ def cascade_plan(
     as for several splits; benchmarks compare the two)."""
     num_seqs, num_q_heads, num_kv_heads = meta.num_seqs, q.shape[1], k_cache.shape[2]
     decode = config or decode_config(q.shape[2], q.dtype)
-    prefix = prefix_config or cascade_prefix_config(q.dtype)
+    prefix = PrefixConfig(*(prefix_config or cascade_prefix_config(q.dtype)))
     forced = num_prefix_splits is not None or num_splits is not None
     if num_prefix_splits is None:
-        tiles = triton.cdiv(num_seqs * (num_q_heads // num_kv_heads), prefix[0])
+        tiles = triton.cdiv(num_seqs * (num_q_heads // num_kv_heads), prefix.block_m)
         wanted = triton.cdiv(_CASCADE_TARGET_PROGRAMS, num_kv_heads * tiles)
         num_prefix_splits = max(1, min(_CASCADE_MAX_PREFIX_SPLITS, wanted))
     if num_splits is None:
@@ -262,15 +285,16 @@ def cascade_prefix_triton(
     num_kv_heads, group = k_cache.shape[2], q.shape[1] // k_cache.shape[2]
     partial_out = torch.empty((num_seqs, num_q_heads, num_slots, head_dim), dtype=torch.float32, device=q.device)
     partial_lse = torch.empty((num_seqs, num_q_heads, num_slots), dtype=torch.float32, device=q.device)
-    block_m, num_warps, num_stages = plan.prefix_config
+    block_m, num_warps, num_stages, block_n, max_registers = PrefixConfig(*plan.prefix_config)
     grid = (num_kv_heads, triton.cdiv(num_seqs * group, block_m), plan.num_prefix_splits)
     _cascade_prefix_kernel[grid](
         partial_out, partial_lse, q, k_cache, v_cache, meta.block_tables, meta.cu_query_lens, meta.common_prefix_len,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), scale * _LOG2E,
         num_seqs * group, num_q_heads, plan.num_prefix_splits, num_slots, plan.min_partition,
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=plan.decode_config[0], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
-        num_warps=num_warps, num_stages=num_stages, **pdl_options(q),
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n or plan.decode_config[0], SPLIT_N=plan.decode_config[0],
+        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, num_warps=num_warps, num_stages=num_stages, **pdl_options(q),
+        **({} if max_registers is None else {"maxnreg": max_registers}),
     )
     return partial_out, partial_lse
 
