@@ -367,9 +367,9 @@ if triton is not None:
                                 v_cache_ptr + kv_head * stride_vh, stride_kb, stride_ks, stride_vb, stride_vs,
                                 qk_scale, BLOCK_G, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
         if MERGE_PREFIX:
-            rows = (seq * num_q_heads + head).to(tl.int64) * num_prefix_splits  # each row's first prefix slot
-            out = _merge_prefix(out, lse, start < context_len, partial_out_ptr, partial_lse_ptr, rows, row_valid,
-                                key_start, num_prefix_splits, min_partition, BLOCK_N, HEAD_DIM)
+            first_slots = (seq * num_q_heads + head).to(tl.int64) * num_prefix_splits  # (of each row)
+            out = _merge_prefix(out, lse, start < context_len, partial_out_ptr, partial_lse_ptr, first_slots,
+                                row_valid, key_start, num_prefix_splits, min_partition, BLOCK_N, HEAD_DIM)
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
         elif SINGLE_SPLIT:
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
@@ -451,12 +451,13 @@ if triton is not None:
                 total += weight
         tl.store(out_ptrs, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
-    # Cascade attention's combine inside a one-split suffix pass: rows [ROWS] of one sequence, their suffix piece
-    # (out, lse; has_keys False when the row has no keys past the prefix) and the prefix pass's pieces, in slots
-    # rows + 0 .. num_prefix_splits - 1 of the partials. The same sums in the same order as _combine_splits_kernel
-    # over slots (prefix pieces, then the suffix piece), so a row rounds alike whichever of the two merges it.
+    # Cascade attention's combine inside a one-split suffix pass: rows of one sequence, their suffix piece (out,
+    # lse; has_keys False when the row has no keys past the prefix) and the prefix pass's pieces, in slots
+    # first_slots + 0 .. num_prefix_splits - 1 of the partials. The same sums in the same order as
+    # _combine_splits_kernel's over a row's slots (prefix pieces, then the suffix piece), so a row rounds alike
+    # whichever of the two merges it.
     @triton.jit
-    def _merge_prefix(out, lse, has_keys, partial_out_ptr, partial_lse_ptr, rows, row_ok, prefix_len,
+    def _merge_prefix(out, lse, has_keys, partial_out_ptr, partial_lse_ptr, first_slots, row_ok, prefix_len,
                       num_prefix_splits, min_partition, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
         lse = tl.where(has_keys, lse, float("-inf"))
         out = tl.where(has_keys, out, 0.0)  # (an empty piece's out is 0/0)
@@ -464,14 +465,14 @@ if triton is not None:
                                                                  BLOCK_N)), num_prefix_splits)
         top = lse
         for slot in range(0, pieces):
-            top = tl.maximum(top, tl.load(partial_lse_ptr + rows + slot, mask=row_ok, other=float("-inf")))
+            top = tl.maximum(top, tl.load(partial_lse_ptr + first_slots + slot, mask=row_ok, other=float("-inf")))
         offs_d = tl.arange(0, HEAD_DIM)
         acc = tl.zeros_like(out)
         total = tl.zeros_like(lse)
         for first in range(0, pieces, 4):
             for j in tl.static_range(4):
-                slots = rows + first + j
-                mask = row_ok & (slots - rows < pieces)  # (per row: a mask of the rows' shape)
+                slots = first_slots + first + j
+                mask = row_ok & (slots - first_slots < pieces)  # (per row: a mask of the rows' shape)
                 weight = tl.exp2(tl.load(partial_lse_ptr + slots, mask=mask, other=float("-inf")) - top)
                 part = tl.load(partial_out_ptr + slots[:, None] * HEAD_DIM + offs_d[None, :], mask=mask[:, None],
                                other=0.0)
