@@ -199,6 +199,18 @@ def test_suffix_pass_merges_the_prefix(case: str, dtype: torch.dtype, monkeypatc
         assert bool((out[-padding:] == 0).all())
 
 
+@pytest.mark.parametrize("merge_in_suffix", [True, False])
+def test_sequence_without_a_token_writes_nothing(merge_in_suffix: bool) -> None:
+    """The last sequence has no token this step: its place in the flat batch is one past the last token, and the
+    output row there (a larger buffer's, past `out`) stays as it was."""
+    q, k_cache, v_cache, meta = shared_prefix_batch(48, [3, 1, 20, 9], 4, 2, idle=(3,))
+    buffer = torch.full((q.shape[0] + 1, *q.shape[1:]), 7.0)
+    plan = _fused_plan(q, k_cache, meta, 2, merge_in_suffix)
+    cascade_attention_triton(q, k_cache, v_cache, meta, 0.2, plan, out=buffer[:q.shape[0]])
+    _close(buffer[:q.shape[0]], cascade_attention_ref(q, k_cache, v_cache, meta, 0.2))
+    assert bool((buffer[q.shape[0]] == 7.0).all())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_merge_in_suffix_rounds_as_the_combine(dtype: torch.dtype) -> None:
     """A row's bits do not depend on which kernel merges its pieces, nor on the batch around it: the suffix pass
