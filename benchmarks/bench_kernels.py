@@ -11,8 +11,7 @@
   sequences sharing a 1,024-token prefix of blocks, each with its own 64-192 tokens: microseconds and effective
   GB/s (the K+V bytes the plain kernel reads) vs the plain paged decode kernel on the same blocks and vs SDPA
   flash on contiguous KV of the mean length; first a bf16 correctness check against the float32 reference;
-  --sweep cascade (or all) also times other prefix splits and tiles, and the combine kernel against the merge in
-  the suffix pass;
+  --sweep cascade (or all) also times other prefix splits and row tiles;
 - with --gemv, alone: the skinny matmul (tinyvllm/ops/linear.py) at M = 1..64 on the five Llama-3.2-1B
   products, in the layouts and calls the model uses, vs cuBLAS and the copy ceiling, 16 distinct weights per
   shape replayed in a CUDA graph (as the 16 layers run: nothing served from the 50 MB L2); first a bf16
@@ -74,7 +73,6 @@ from tinyvllm.ops.attention import (  # noqa: E402
 )
 from tinyvllm.ops.cascade_attention import (  # noqa: E402
     CascadePlan,
-    PrefixConfig,
     cascade_attention_triton,
     cascade_plan,
     cascade_prefix_config,
@@ -385,113 +383,91 @@ def bench_cascade(times: Table, rates: Table) -> None:
         torch.cuda.empty_cache()
 
 
-# Prefix tiles the sweep tries: PrefixConfig's (BLOCK_M, warps, stages, keys per step (None: the decode tile's),
-# register cap (None: the compiler's)); wider rows read the prefix's K/V fewer times, wider steps take fewer steps,
-# a cap lets more programs share an SM (sm_90's ptxas gives the 64-row tile 240 registers).
-CASCADE_PREFIX_TILES = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3), (64, 4, 3, 128), (64, 4, 3, None, 168),
-                        (128, 8, 2), (128, 8, 3), (128, 8, 3, 128), (128, 8, 3, None, 128), (256, 8, 2)]
-
-
-def time_cascade_plan(plan: CascadePlan, sets: list, reference: torch.Tensor, scale: float) -> str:
-    """Microseconds per call of cascade attention on `sets` under `plan`, WRONG if its first output is off
-    `reference`, or why it failed."""
-    def run() -> None:
-        for s in sets:
-            cascade_attention_triton(s[0], s[1], s[2], s[3], scale, plan)
-
-    try:
-        out = cascade_attention_triton(*sets[0][:4], scale, plan).float()
-        differs = float((out - reference).norm() / reference.norm()) > 1e-2
-        return f"{bench_graph(run, len(sets)) * 1e3:.1f}{' WRONG' if differs else ''}"
-    except Exception as error:  # a config that does not compile or fit
-        return f"failed ({type(error).__name__})"
-
-
 def sweep_cascade() -> None:
-    """Microseconds of other prefix split counts and prefix tiles, then of the merge in the suffix pass against the
-    combine kernel, then of other decode tiles, per batch size (the defaults come from cascade_plan; the suffix
-    splits stay its choice)."""
+    """Microseconds of other prefix split counts and prefix row tiles, then of other decode tiles, per batch size
+    (the defaults come from cascade_plan; the suffix splits stay its choice)."""
     scale = HEAD_DIM**-0.5
-    print(f"\n## Cascade attention plans: microseconds by prefix splits, per prefix tile (BLOCK_M, warps, stages, "
-          f"keys per step, register cap); default tile {tuple(cascade_prefix_config(DTYPE))}")
+    print(f"\n## Cascade attention plans: microseconds by prefix splits, per prefix tile (BLOCK_M, warps, stages); "
+          f"default tile {cascade_prefix_config(DTYPE)}")
     for batch in CASCADE_BATCHES:
         sets, _, _ = cascade_sets(batch)
         default = cascade_plan(sets[0][0], sets[0][1], sets[0][3])
-        print(f"  B={batch} (default {default.num_prefix_splits} prefix + {default.num_splits} suffix splits, "
-              f"{'merged in the suffix pass' if default.merge_in_suffix else 'combine kernel'}):")
-        reference = cascade_attention_triton(*sets[0][:4], scale, default).float()
-
-        def timed(plan: CascadePlan, sets: list = sets, reference: torch.Tensor = reference) -> str:
-            return time_cascade_plan(plan, sets, reference, scale)
-
-        for prefix_config in CASCADE_PREFIX_TILES:
+        print(f"  B={batch} (default {default.num_prefix_splits} prefix + {default.num_splits} suffix splits):")
+        for prefix_config in ((32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 8, 3)):
             results = []
             for splits in (1, 2, 4, 8, 16):
-                plan = default._replace(num_prefix_splits=splits, prefix_config=PrefixConfig(*prefix_config))
-                results.append(f"{splits}: {timed(plan)}")
+                plan = default._replace(num_prefix_splits=splits, prefix_config=prefix_config)
+
+                def run(plan: CascadePlan = plan, sets: list = sets) -> None:
+                    for s in sets:
+                        cascade_attention_triton(s[0], s[1], s[2], s[3], scale, plan)
+
+                try:
+                    results.append(f"{splits}: {bench_graph(run, len(sets)) * 1e3:.1f}")
+                except Exception as error:  # a config that does not compile or fit
+                    results.append(f"{splits}: failed ({type(error).__name__})")
             print(f"    {prefix_config}: " + "  ".join(results), flush=True)
-        if default.num_splits == 1:  # the same plan with the combine kernel merging instead
-            print(f"    merged in the suffix pass {timed(default)}, by the combine kernel "
-                  f"{timed(default._replace(merge_in_suffix=False))}", flush=True)
-        # The decode tile (BLOCK_N, warps, stages): the suffix pass's, and where the prefix's pieces are cut (the
-        # prefix pass's steps too, with the default tile), at the default splits and prefix tile.
+        # The decode tile (BLOCK_N, warps, stages): the suffix pass's, and the prefix pass's BLOCK_N (the combine
+        # cuts both alike), at the default splits and prefix tile.
         results = []
+        q, k_cache, v_cache, meta, _ = sets[0]
+        reference = cascade_attention_triton(q, k_cache, v_cache, meta, scale, default).float()
         for decode in ((32, 4, 3), (64, 2, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 3), (128, 8, 3)):
-            results.append(f"{decode}: {timed(default._replace(decode_config=decode))}")
+            plan = default._replace(decode_config=decode)
+
+            def run(plan: CascadePlan = plan, sets: list = sets) -> None:
+                for s in sets:
+                    cascade_attention_triton(s[0], s[1], s[2], s[3], scale, plan)
+
+            try:
+                out = cascade_attention_triton(q, k_cache, v_cache, meta, scale, plan).float()
+                differs = float((out - reference).norm() / reference.norm()) > 1e-2
+                results.append(f"{decode}: {bench_graph(run, len(sets)) * 1e3:.1f}{' WRONG' if differs else ''}")
+            except Exception as error:  # a config that does not compile or fit
+                results.append(f"{decode}: failed ({type(error).__name__})")
         print(f"    decode tile (default {default.decode_config}): " + "  ".join(results), flush=True)
         del sets
         torch.cuda.empty_cache()
 
 
 def cascade_passes() -> None:
-    """Microseconds of each of cascade attention's launches at its default plan: the prefix pass alone, the suffix
-    pass alone (merging the prefix's pieces where the plan says so), and the combine, where there is one, as what
-    the whole adds to the two. Where the suffix pass merges, the same plan with the combine kernel too."""
-    from tinyvllm.ops.attention import launch_decode
-    from tinyvllm.ops.cascade_attention import cascade_partials_triton, cascade_prefix_triton
+    """Microseconds of each of cascade attention's three launches at its default plan: the prefix pass alone, the
+    suffix pass alone, and the combine as what the whole adds to the two."""
+    import tinyvllm.ops.cascade_attention as cascade
 
     scale = HEAD_DIM**-0.5
     print("\n## Cascade attention by pass (microseconds, CUDA graphs, inputs rotated past L2)")
     for batch in CASCADE_BATCHES:
         sets, _, _ = cascade_sets(batch)
-        default = cascade_plan(sets[0][0], sets[0][1], sets[0][3])
-        plans = [default, default._replace(merge_in_suffix=False)] if default.merge_in_suffix else [default]
-        for plan in plans:
-            slots = plan.num_prefix_splits + (0 if plan.merge_in_suffix else plan.num_splits)
-            # (the suffix pass alone reads and writes partials a prefix pass left, as in the whole)
-            partials = [cascade_prefix_triton(*s[:4], scale, plan, slots) for s in sets]
-            outs = [torch.empty_like(s[0]) for s in sets]
+        plan = cascade_plan(sets[0][0], sets[0][1], sets[0][3])
 
-            def whole(sets: list = sets, plan: CascadePlan = plan) -> None:
-                for s in sets:
-                    cascade_attention_triton(s[0], s[1], s[2], s[3], scale, plan)
+        def whole(sets: list = sets, plan: CascadePlan = plan) -> None:
+            for s in sets:
+                cascade_attention_triton(s[0], s[1], s[2], s[3], scale, plan)
 
-            def prefix(sets: list = sets, plan: CascadePlan = plan, slots: int = slots) -> None:
-                for s in sets:
-                    cascade_prefix_triton(s[0], s[1], s[2], s[3], scale, plan, slots)
+        def partials(sets: list = sets, plan: CascadePlan = plan) -> None:
+            for s in sets:
+                cascade.cascade_partials_triton(s[0], s[1], s[2], s[3], scale, plan)
 
-            def suffix(sets: list = sets, plan: CascadePlan = plan, partials: list = partials,
-                       outs: list = outs) -> None:
-                for (q, k_cache, v_cache, meta, _), (partial_out, partial_lse), out in zip(sets, partials, outs):
-                    launch_decode(out if plan.merge_in_suffix else partial_out, partial_out, partial_lse, q, k_cache,
-                                  v_cache, meta, scale, plan.num_splits, plan.min_partition, plan.decode_config,
-                                  meta.common_prefix_len, plan.num_prefix_splits, plan.merge_in_suffix)
+        def suffix(sets: list = sets, plan: CascadePlan = plan) -> None:
+            for q, k_cache, v_cache, meta, _ in sets:
+                slots = plan.num_prefix_splits + plan.num_splits
+                out = torch.empty((meta.num_seqs, q.shape[1], slots, q.shape[2]), dtype=torch.float32, device=DEVICE)
+                lse = torch.empty((meta.num_seqs, q.shape[1], slots), dtype=torch.float32, device=DEVICE)
+                cascade.launch_decode(out, out, lse, q, k_cache, v_cache, meta, scale, plan.num_splits,
+                                      plan.min_partition, plan.decode_config, meta.common_prefix_len,
+                                      plan.num_prefix_splits)
 
-            def two_passes(sets: list = sets, plan: CascadePlan = plan) -> None:
-                for s in sets:
-                    cascade_partials_triton(s[0], s[1], s[2], s[3], scale, plan)
-
-            whole_us, prefix_us, suffix_us = (bench_graph(f, len(sets)) * 1e3 for f in (whole, prefix, suffix))
-            splits = f"{plan.num_prefix_splits} prefix + {plan.num_splits} suffix splits"
-            if plan.merge_in_suffix:
-                print(f"  B={batch} ({splits}): whole {whole_us:.1f} = prefix pass {prefix_us:.1f} + suffix pass "
-                      f"merging the prefix's pieces {suffix_us:.1f}", flush=True)
-            else:
-                combine_us = whole_us - bench_graph(two_passes, len(sets)) * 1e3
-                print(f"  B={batch} ({splits}{', the combine kernel merging' if plan.num_splits == 1 else ''}): "
-                      f"whole {whole_us:.1f} = prefix pass {prefix_us:.1f} + suffix pass {suffix_us:.1f} + combine "
-                      f"{combine_us:.1f}", flush=True)
-            del partials, outs
+        whole_us, partials_us = (bench_graph(f, len(sets)) * 1e3 for f in (whole, partials))
+        launch_decode = cascade.launch_decode
+        cascade.launch_decode = lambda *args, **kwargs: None  # the partials without their suffix pass
+        try:
+            prefix_us = bench_graph(partials, len(sets)) * 1e3
+        finally:
+            cascade.launch_decode = launch_decode
+        suffix_us = bench_graph(suffix, len(sets)) * 1e3
+        print(f"  B={batch}: whole {whole_us:.1f} = prefix pass {prefix_us:.1f} + suffix pass {suffix_us:.1f} "
+              f"+ combine {whole_us - partials_us:.1f} (the two passes together {partials_us:.1f})", flush=True)
         del sets
         torch.cuda.empty_cache()
 

@@ -6,7 +6,6 @@ Outputs the kernels allocate are poisoned with NaN, and every slot of the cache 
 from __future__ import annotations
 
 import random
-from functools import partial
 
 import numpy as np
 import pytest
@@ -152,114 +151,6 @@ def test_each_pass_against_its_reference() -> None:
     _close(partial_lse[:, :, 0], prefix_lse)
     _close(partial_out[:, :, 1], suffix_out)
     _close(partial_lse[:, :, 1], suffix_lse)
-
-
-# ------------------------------------------------------------------------- the suffix pass merging the prefix's
-
-# (prefix tokens, suffix lengths, query heads, KV heads, prefix splits forced, idle sequences, padding rows): a
-# prefix in one piece, in 3 and in 5 (the merge loads four pieces at a time), pieces past a short prefix left empty
-# (8 splits of 2 tiles), suffixes of just the newest token, a sequence without a token, a CUDA graph's padding rows.
-FUSED_CASES = {
-    "one piece": (64, [1, 9, 33], 4, 2, 1, (), 0),
-    "three pieces, gqa 3, idle": (48, [5, 1, 20, 16, 2], 6, 2, 3, (1,), 0),
-    "five pieces, padding": (80, [1, 40, 3, 17], 8, 2, 5, (), 2),
-    "empty pieces, idle and padding": (32, [2, 1, 18, 1, 7, 30], 4, 1, 8, (0, 4), 3),
-}
-
-
-def _fused_plan(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata, prefix_splits: int,
-                merge_in_suffix: bool = True, num_splits: int = 1):
-    # 16-key tiles: the pieces of these tiny prefixes and suffixes cut at 16 tokens
-    plan = cascade_plan(q, k_cache, meta, prefix_splits, num_splits, (16, 4, 1), (16, 4, 1), merge_in_suffix)
-    assert plan.merge_in_suffix == merge_in_suffix
-    return plan
-
-
-# (not bfloat16: the interpreter's products of it are wrong, the plain kernel's too; tests/gpu covers it)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("case", list(FUSED_CASES))
-def test_suffix_pass_merges_the_prefix(case: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One suffix split: the suffix pass merges the prefix pass's pieces and writes the output, with no combine
-    launch; equal to cascade_attention_ref, the plain kernel and paged_attention_ref, padding rows zeros."""
-    import tinyvllm.ops.cascade_attention as cascade
-
-    prefix_len, suffixes, num_q_heads, num_kv_heads, prefix_splits, idle, padding = FUSED_CASES[case]
-    q, k_cache, v_cache, meta = shared_prefix_batch(prefix_len, suffixes, num_q_heads, num_kv_heads, idle=idle,
-                                                    padding=padding)
-    q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
-    scale = q.shape[-1] ** -0.5
-    monkeypatch.setattr(cascade, "launch_combine", lambda *args, **kwargs: pytest.fail("the combine was launched"))
-    out = cascade_attention_triton(q, k_cache, v_cache, meta, scale, _fused_plan(q, k_cache, meta, prefix_splits))
-    monkeypatch.undo()
-    close = _close if dtype == torch.float32 else partial(torch.testing.assert_close, atol=2e-3, rtol=2e-3)
-    close(out, cascade_attention_ref(q, k_cache, v_cache, meta, scale))
-    close(out, paged_decode_triton(q, k_cache, v_cache, _plain(meta), scale))
-    close(out.float(), paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), _plain(meta), scale))
-    if padding:
-        assert bool((out[-padding:] == 0).all())
-
-
-@pytest.mark.parametrize("merge_in_suffix", [True, False])
-def test_sequence_without_a_token_writes_nothing(merge_in_suffix: bool) -> None:
-    """The last sequence has no token this step: its place in the flat batch is one past the last token, and the
-    output row there (a larger buffer's, past `out`) stays as it was."""
-    q, k_cache, v_cache, meta = shared_prefix_batch(48, [3, 1, 20, 9], 4, 2, idle=(3,))
-    buffer = torch.full((q.shape[0] + 1, *q.shape[1:]), 7.0)
-    plan = _fused_plan(q, k_cache, meta, 2, merge_in_suffix)
-    cascade_attention_triton(q, k_cache, v_cache, meta, 0.2, plan, out=buffer[:q.shape[0]])
-    _close(buffer[:q.shape[0]], cascade_attention_ref(q, k_cache, v_cache, meta, 0.2))
-    assert bool((buffer[q.shape[0]] == 7.0).all())
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_merge_in_suffix_rounds_as_the_combine(dtype: torch.dtype) -> None:
-    """A row's bits do not depend on which kernel merges its pieces, nor on the batch around it: the suffix pass
-    merging them equals the combine kernel merging the same pieces (one suffix split, or two of which only the
-    first holds keys), also in a batch with padding rows and a grid sized for longer contexts (a CUDA graph's)."""
-    suffixes = [1, 16, 5, 9, 2]  # (each within one 16-key piece, whether cut into one split or two)
-    q, k_cache, v_cache, meta = shared_prefix_batch(64, suffixes, 8, 2, idle=(2,))
-    q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
-    fused = cascade_attention_triton(q, k_cache, v_cache, meta, 0.2, _fused_plan(q, k_cache, meta, 3))
-    for merge_in_suffix, num_splits in ((False, 1), (False, 2)):
-        plan = _fused_plan(q, k_cache, meta, 3, merge_in_suffix, num_splits)
-        assert torch.equal(cascade_attention_triton(q, k_cache, v_cache, meta, 0.2, plan), fused)
-
-    padding = 3  # the same step padded as a CUDA graph of a larger batch and longer contexts pads it
-    padded = AttentionMetadata.for_cached([*meta.cu_query_lens.diff().tolist(), *[1] * padding],
-                                          [*meta.context_lens.tolist(), *[0] * padding],
-                                          torch.cat([meta.block_tables, meta.block_tables[:padding] * 0]))
-    padded.max_query_len, padded.max_context_len, padded.common_prefix_len = 1, 4096, meta.common_prefix_len
-    padded_q = torch.cat([q, torch.randn(padding, *q.shape[1:]).to(dtype)])
-    out = cascade_attention_triton(padded_q, k_cache, v_cache, padded, 0.2, _fused_plan(padded_q, k_cache, padded, 3))
-    assert torch.equal(out[:q.shape[0]], fused)
-
-
-@pytest.mark.parametrize("prefix_config", [(16, 4, 1, 32), (16, 4, 1, 64, 128), (32, 4, 1, 16)])
-@pytest.mark.parametrize("prefix_splits", [3, 5])
-@pytest.mark.parametrize("merge_in_suffix", [True, False])
-def test_prefix_tile_steps_across_its_pieces(prefix_config: tuple, prefix_splits: int, merge_in_suffix: bool) -> None:
-    """The prefix pass may step through keys in tiles other than the pieces' steps (the decode tile's, 16 keys
-    here; 80 tokens in 3 splits are pieces of 32, 32 and 16, in 5 splits five of 16): a tile reaching past its
-    piece is masked, and the merge, in the suffix pass or the combine kernel, finds the same pieces."""
-    q, k_cache, v_cache, meta = shared_prefix_batch(80, [1, 20, 7, 33], 8, 2, idle=(2,), padding=1)
-    plan = cascade_plan(q, k_cache, meta, prefix_splits, 1, (16, 4, 1), prefix_config, merge_in_suffix)
-    out = cascade_attention_triton(q, k_cache, v_cache, meta, 0.2, plan)
-    _close(out, cascade_attention_ref(q, k_cache, v_cache, meta, 0.2))
-
-
-def test_cascade_plan_merges_in_suffix_at_large_batches() -> None:
-    """The Llama-3.2-1B shape (32 query heads, 8 KV heads): batches of 64 and more run the suffix as one split and
-    merge the prefix there (two launches); 32 sequences cut their suffixes in two and keep the combine."""
-    k_cache = torch.empty(1, BLOCK_SIZE, 8, 64)
-    for batch, merges in ((32, False), (64, True), (256, True)):
-        q = torch.empty(batch, 32, 64)
-        tables = torch.zeros(batch, 80, dtype=torch.int32)
-        meta = AttentionMetadata.for_cached([1] * batch, [1024 + 100] * batch, tables)
-        plan = cascade_plan(q, k_cache, meta)
-        assert plan.merge_in_suffix == merges and (plan.num_splits == 1) == merges, (batch, plan)
-        assert not cascade_plan(q, k_cache, meta, merge_in_suffix=False).merge_in_suffix
-    with pytest.raises(ValueError, match="one split"):
-        cascade_plan(q, k_cache, meta, num_splits=2, merge_in_suffix=True)
 
 
 def test_use_cascade_attention_thresholds() -> None:

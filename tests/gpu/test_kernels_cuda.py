@@ -27,7 +27,7 @@ import triton.language as tl  # noqa: E402
 from tests.utils import CUDA_ONLY, attention_metadata  # noqa: E402
 from tinyvllm.ops.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from tinyvllm.ops.attention import AttentionMetadata, paged_attention_ref, paged_attention_triton  # noqa: E402
-from tinyvllm.ops.cascade_attention import PrefixConfig, cascade_attention_triton, cascade_plan  # noqa: E402
+from tinyvllm.ops.cascade_attention import cascade_attention_triton  # noqa: E402
 from tinyvllm.ops.decode_inputs import unpack_decode_inputs_ref, unpack_decode_inputs_triton  # noqa: E402
 from tinyvllm.ops.embedding import embedding_ref, embedding_triton  # noqa: E402
 from tinyvllm.ops.fused_linear import (  # noqa: E402
@@ -467,14 +467,7 @@ CASCADE_CASES: dict[str, Callable[[], dict]] = {
     "B=20 prefix 1024 + 12 padding rows, grid for 131072": lambda: dict(prefix_len=1024,
                                                                         suffix_lens=rand_lens(20, 1, 192), padding=12,
                                                                         max_context_len=131072),
-    # one suffix split, so the suffix pass merges the prefix's pieces (8 of them at 80 rows), padding rows included
-    "B=64 prefix 1024 + 16 padding rows, grid for 131072": lambda: dict(prefix_len=1024,
-                                                                        suffix_lens=rand_lens(64, 1, 192), padding=16,
-                                                                        max_context_len=131072),
 }
-# The cases whose default plan merges in the suffix pass (no combine kernel): checked, so that they stay so.
-CASCADE_MERGED_IN_SUFFIX = {"B=64 prefix 256 suffixes 1..64", "B=256 prefix 1024 suffixes 64..192",
-                            "B=64 prefix 1024 + 16 padding rows, grid for 131072"}
 
 
 @pytest.mark.parametrize("case", list(CASCADE_CASES))
@@ -484,35 +477,11 @@ def test_cascade_attention(dtype: torch.dtype, case: str) -> None:
     q, k_cache, v_cache, meta = case_batch(CASCADE_CASES[case](), lambda **spec: shared_prefix_batch(dtype=dtype,
                                                                                                       **spec))
     scale = q.shape[-1] ** -0.5
-    assert cascade_plan(q, k_cache, meta).merge_in_suffix == (case in CASCADE_MERGED_IN_SUFFIX)
     out = poisoned(cascade_attention_triton, q, k_cache, v_cache, meta, scale)
     ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), without_prefix(meta), scale)
     assert_close(f"cascade attention {case} {short(dtype)}", out, ref, dtype)
     plain = paged_attention_triton(q, k_cache, v_cache, without_prefix(meta), scale)
     assert_close(f"cascade attention {case} {short(dtype)} vs the plain kernel", out, plain, dtype)
-    if case in CASCADE_MERGED_IN_SUFFIX:  # the same pieces merged by the combine kernel: the same bits
-        plan = cascade_plan(q, k_cache, meta, merge_in_suffix=False)
-        combined = poisoned(cascade_attention_triton, q, k_cache, v_cache, meta, scale, plan)
-        assert torch.equal(out, combined), f"{case} {short(dtype)}: the merge in the suffix pass rounds otherwise"
-
-
-# Prefix tiles of bench_kernels.py's sweep beside the default: two warpgroups of rows, 128-key steps, register caps
-CASCADE_PREFIX_TILES = [(128, 8, 3), (128, 8, 3, 128), (64, 4, 3, None, 168), (128, 8, 3, None, 128), (256, 8, 2)]
-
-
-@pytest.mark.parametrize("prefix_tile", CASCADE_PREFIX_TILES, ids=str)
-@pytest.mark.parametrize("batch", [64, 256])
-def test_cascade_attention_prefix_tiles(batch: int, prefix_tile: tuple) -> None:
-    """The sweep's other prefix tiles compute the same attention (bf16, 1,024-token prefix, merged in the suffix
-    pass) as the float32 reference."""
-    dtype = torch.bfloat16
-    q, k_cache, v_cache, meta = shared_prefix_batch(1024, rand_lens(batch, 1, 192), dtype, padding=3)
-    scale = HEAD_DIM**-0.5
-    plan = cascade_plan(q, k_cache, meta, prefix_config=PrefixConfig(*prefix_tile))
-    assert plan.merge_in_suffix
-    out = poisoned(cascade_attention_triton, q, k_cache, v_cache, meta, scale, plan)
-    ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), without_prefix(meta), scale)
-    assert_close(f"cascade attention B={batch} prefix tile {prefix_tile}", out, ref, dtype)
 
 
 def test_cascade_attention_in_cuda_graph() -> None:

@@ -305,10 +305,6 @@ if triton is not None:
     # SKIP_PREFIX (cascade attention's suffix pass): the keys start at *prefix_len_ptr instead of 0, the
     # splits cut context_len - prefix_len, and split s's partial goes to slot num_prefix_splits + s of the
     # num_prefix_splits + num_splits slots per row (the prefix pass fills the first ones).
-    # MERGE_PREFIX (with SKIP_PREFIX and one split): no combine kernel after; the partials hold only the prefix
-    # pass's num_prefix_splits slots per row, and this pass merges them with its own piece (_merge_prefix) and
-    # writes the output. They are read after pdl_wait, which returns once the prefix pass, the kernel before on
-    # the stream, has finished (without PDL, stream order does the same).
     @triton.jit(do_not_specialize=["stride_table", "num_splits", "num_prefix_splits"])
     def _paged_decode_kernel(
         out_ptr, partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
@@ -317,8 +313,7 @@ if triton is not None:
         stride_vb, stride_vs, stride_vh, stride_table, qk_scale, num_q_heads, num_splits, min_partition,
         num_prefix_splits,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        HEAD_DIM: tl.constexpr, SINGLE_SPLIT: tl.constexpr, SKIP_PREFIX: tl.constexpr, MERGE_PREFIX: tl.constexpr,
-        USE_PDL: tl.constexpr,
+        HEAD_DIM: tl.constexpr, SINGLE_SPLIT: tl.constexpr, SKIP_PREFIX: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         # Before the wait, what the kernel before (qkv's product, storing this step's K and V) cannot change: the
         # batch's layout, written before the step, and where this piece's keys are; their lines are prefetched
@@ -350,15 +345,11 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         token = token.to(tl.int64)
         out_ptrs = out_ptr + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        if SINGLE_SPLIT or MERGE_PREFIX:  # with a combine kernel after, that one writes the zeros
+        if SINGLE_SPLIT:  # with several splits the combine kernel writes the zeros
             if (context_len <= 0) & (query_len > 0):
                 zeros = tl.zeros([BLOCK_G, HEAD_DIM], dtype=out_ptr.dtype.element_ty)
                 tl.store(out_ptrs, zeros, mask=row_valid[:, None])
-        if MERGE_PREFIX:  # (a row without keys of its own past the prefix still gets the prefix's)
-            skip = (query_len == 0) | (context_len <= 0)
-        else:
-            skip = (query_len == 0) | (start >= context_len)
-        if skip:
+        if (query_len == 0) | (start >= context_len):
             return
 
         q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
@@ -366,12 +357,7 @@ if triton is not None:
         out, lse = _attend_keys(q, start, end, table_ptr, k_cache_ptr + kv_head * stride_kh,
                                 v_cache_ptr + kv_head * stride_vh, stride_kb, stride_ks, stride_vb, stride_vs,
                                 qk_scale, BLOCK_G, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
-        if MERGE_PREFIX:
-            first_slots = (seq * num_q_heads + head).to(tl.int64) * num_prefix_splits  # (of each row)
-            out = _merge_prefix(out, lse, start < context_len, partial_out_ptr, partial_lse_ptr, first_slots,
-                                row_valid, key_start, num_prefix_splits, min_partition, BLOCK_N, HEAD_DIM)
-            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
-        elif SINGLE_SPLIT:
+        if SINGLE_SPLIT:
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
         else:
             part = (seq * num_q_heads + head).to(tl.int64) * num_slots + first_slot + split
@@ -384,8 +370,7 @@ if triton is not None:
     # context into the same pieces, see _split_partition; unused slots add exact zeros). A program per (sequence,
     # head) reducing a tile of every possible slot spent most of cascade attention's time at large batches.
     # CASCADE: the row's slots are num_prefix_splits pieces of the shared prefix (prefix_len tokens, cut as
-    # _split_partition cuts a context), then num_splits pieces of the row's own suffix (a one-split suffix pass may
-    # merge them itself, _merge_prefix, in the same order).
+    # _split_partition cuts a context), then num_splits pieces of the row's own suffix.
     @triton.jit
     def _slots_used(slot, context_len, prefix_len, num_splits, num_prefix_splits, min_partition,
                     BLOCK_N: tl.constexpr, CASCADE: tl.constexpr):
@@ -450,38 +435,6 @@ if triton is not None:
                 acc += part * weight[:, None]
                 total += weight
         tl.store(out_ptrs, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
-
-    # Cascade attention's combine inside a one-split suffix pass: rows of one sequence, their suffix piece (out,
-    # lse; has_keys False when the row has no keys past the prefix) and the prefix pass's pieces, in slots
-    # first_slots + 0 .. num_prefix_splits - 1 of the partials. The same sums in the same order as
-    # _combine_splits_kernel's over a row's slots (prefix pieces, then the suffix piece), so a row rounds alike
-    # whichever of the two merges it.
-    @triton.jit
-    def _merge_prefix(out, lse, has_keys, partial_out_ptr, partial_lse_ptr, first_slots, row_ok, prefix_len,
-                      num_prefix_splits, min_partition, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-        lse = tl.where(has_keys, lse, float("-inf"))
-        out = tl.where(has_keys, out, 0.0)  # (an empty piece's out is 0/0)
-        pieces = tl.minimum(tl.cdiv(prefix_len, _split_partition(prefix_len, num_prefix_splits, min_partition,
-                                                                 BLOCK_N)), num_prefix_splits)
-        top = lse
-        for slot in range(0, pieces):
-            top = tl.maximum(top, tl.load(partial_lse_ptr + first_slots + slot, mask=row_ok, other=float("-inf")))
-        offs_d = tl.arange(0, HEAD_DIM)
-        acc = tl.zeros_like(out)
-        total = tl.zeros_like(lse)
-        for first in range(0, pieces, 4):
-            for j in tl.static_range(4):
-                slots = first_slots + first + j
-                mask = row_ok & (slots - first_slots < pieces)  # (per row: a mask of the rows' shape)
-                weight = tl.exp2(tl.load(partial_lse_ptr + slots, mask=mask, other=float("-inf")) - top)
-                part = tl.load(partial_out_ptr + slots[:, None] * HEAD_DIM + offs_d[None, :], mask=mask[:, None],
-                               other=0.0)
-                acc += part * weight[:, None]
-                total += weight
-        weight = tl.exp2(lse - top)
-        acc += out * weight[:, None]
-        total += weight
-        return acc / total[:, None]
 
 
 def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
@@ -600,13 +553,9 @@ def launch_decode(
     out: torch.Tensor, partial_out: torch.Tensor, partial_lse: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, num_splits: int, min_partition: int,
     config: DecodeConfig, prefix_len: torch.Tensor | None = None, num_prefix_splits: int = 0,
-    merge_prefix: bool = False,
 ) -> None:
     """Decode pass 1 (_paged_decode_kernel); with prefix_len, cascade attention's suffix pass, whose partials
-    follow num_prefix_splits slots of the prefix pass's in each row; with merge_prefix too (one split), the suffix
-    pass merges the prefix pass's slots (the partials hold only those) and writes out."""
-    if merge_prefix and (prefix_len is None or num_splits != 1):
-        raise ValueError("merge_prefix needs cascade attention's prefix_len and a single suffix split")
+    follow num_prefix_splits slots of the prefix pass's in each row."""
     block_n, num_warps, num_stages = config
     num_seqs, num_q_heads, num_kv_heads, head_dim = meta.num_seqs, q.shape[1], k_cache.shape[2], q.shape[2]
     group = num_q_heads // num_kv_heads
@@ -619,8 +568,7 @@ def launch_decode(
         num_q_heads, num_splits, min_partition, num_prefix_splits,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, SINGLE_SPLIT=num_splits == 1 and prefix_len is None,
-        SKIP_PREFIX=prefix_len is not None, MERGE_PREFIX=merge_prefix, num_warps=num_warps, num_stages=num_stages,
-        **pdl_options(q),
+        SKIP_PREFIX=prefix_len is not None, num_warps=num_warps, num_stages=num_stages, **pdl_options(q),
     )
 
 

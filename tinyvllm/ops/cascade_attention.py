@@ -6,15 +6,13 @@ partial results are merged by their log-sum-exp:
 
     out = (w_p * out_p + w_s * out_s) / (w_p + w_s),   w = exp2(lse - max(lse_p, lse_s))
 
-Grids come from Python ints and the prefix length is read on the device, so that one CUDA graph per batch size
-serves every prefix:
+Three launches per layer, with grids from Python ints and the prefix length read on the device, so that one
+CUDA graph per batch size serves every prefix:
 1. the prefix pass (_cascade_prefix_kernel): program (KV head, row tile, prefix split) attends a tile of
    (sequence, query head) rows, all the sequences' GROUP heads of that KV head, to one piece of the prefix
-   through the first sequence's block table (the blocks are the same for all), and writes a partial result;
-2. the suffix pass: attention.py's decode kernel with SKIP_PREFIX, keys from the prefix's end. Where it runs as
-   one split per sequence (large batches: cascade_plan's merge_in_suffix), it also merges the prefix's pieces
-   (MERGE_PREFIX) and writes the output: two launches, and the suffix's partial result never goes to memory;
-3. otherwise the decode combine kernel with CASCADE merges the prefix's pieces and the suffix's alike."""
+   through the first sequence's block table (the blocks are the same for all);
+2. the suffix pass: attention.py's decode kernel with SKIP_PREFIX, keys from the prefix's end;
+3. the decode combine kernel with CASCADE, which merges the prefix's pieces and the suffix's alike."""
 
 from __future__ import annotations
 
@@ -149,47 +147,31 @@ def cascade_attention_ref(
 # ---------------------------------------------------------------------------------------------- Triton kernels
 
 if triton is not None:
-    from tinyvllm.ops.attention import (
-        _attend_keys,
-        _prefetch_tile,
-        _split_partition,
-        _store_partial,
-        launch_combine,
-        launch_decode,
-    )
+    from tinyvllm.ops.attention import _attend_keys, _split_partition, _store_partial, launch_combine, launch_decode
     from tinyvllm.ops.pdl import pdl_options, pdl_wait
 
     # The prefix pass: program (kv head, row tile, split). Row r of the tile is sequence r // GROUP's query
     # head kv_head * GROUP + r % GROUP; the tile attends to prefix keys split * partition .. min((split + 1) *
-    # partition, prefix_len), cut as _split_partition cuts a context in SPLIT_N-token steps (the decode tile's, as
-    # the merge expects), BLOCK_N keys at a time, through block_tables[0], and writes the partial result and its
-    # log2-sum-exp to slot `split` of the row's num_slots. Rows of sequences without a token this step write
-    # nothing; a CUDA graph's padding rows (context 0) compute, and the merge (the suffix pass's or the combine
-    # kernel's) writes their zeros.
+    # partition, prefix_len), cut as _split_partition cuts a context, through block_tables[0], and writes the
+    # partial result and its log2-sum-exp to slot `split` of the row's num_slots. Rows of sequences without a
+    # token this step write nothing; a CUDA graph's padding rows (context 0) compute, and the combine kernel
+    # writes their zeros.
     @triton.jit(do_not_specialize=["num_rows", "num_prefix_splits", "num_slots"])
     def _cascade_prefix_kernel(
         partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_query_lens_ptr,
         prefix_len_ptr, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         qk_scale, num_rows, num_q_heads, num_prefix_splits, num_slots, min_partition,
-        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
+        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
     ):
-        # Before the wait, what the kernel before (storing this step's K and V, which are never the prefix's) cannot
-        # change: the prefix's length, its blocks and its keys. The row tiles of a piece ask L2 for its key tiles
-        # between them (row tile t for tile t, modulo their number), so that the first reads after the wait hit L2.
+        pdl_wait(USE_PDL)
         kv_head, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         prefix_len = tl.load(prefix_len_ptr)
-        partition = _split_partition(prefix_len, num_prefix_splits, min_partition, SPLIT_N)
+        partition = _split_partition(prefix_len, num_prefix_splits, min_partition, BLOCK_N)
         start = split * partition
-        end = tl.minimum(start + partition, prefix_len)
-        k_base = k_cache_ptr + kv_head * stride_kh
-        v_base = v_cache_ptr + kv_head * stride_vh
-        key_tiles = tl.maximum(tl.cdiv(end - start, BLOCK_N), 1)
-        _prefetch_tile(start + (tile % key_tiles) * BLOCK_N, end, block_tables_ptr, k_base, v_base, stride_kb,
-                       stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, HEAD_DIM, USE_PDL)
-        pdl_wait(USE_PDL)
         if start >= prefix_len:
             return
+        end = tl.minimum(start + partition, prefix_len)
 
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         seq = rows // GROUP
@@ -202,23 +184,16 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=row_valid[:, None], other=0.0)
-        out, lse = _attend_keys(q, start, end, block_tables_ptr, k_base, v_base, stride_kb, stride_ks, stride_vb,
-                                stride_vs, qk_scale, BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
+        out, lse = _attend_keys(q, start, end, block_tables_ptr, k_cache_ptr + kv_head * stride_kh,
+                                v_cache_ptr + kv_head * stride_vh, stride_kb, stride_ks, stride_vb, stride_vs,
+                                qk_scale, BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
         part = (seq * num_q_heads + head).to(tl.int64) * num_slots + split
         _store_partial(partial_out_ptr, partial_lse_ptr, part, out, lse, row_valid, HEAD_DIM)
 
 
-class PrefixConfig(NamedTuple):
-    """The prefix pass's tile. Its pieces are cut at the decode tile's BLOCK_N whatever block_n is, so that the
-    merge cuts the prefix into the same pieces as the prefix pass did; a plain (BLOCK_M, warps, stages) tuple
-    also serves."""
-
-    block_m: int  # (sequence, query head) rows per program
-    num_warps: int
-    num_stages: int
-    block_n: int | None = None  # keys per step of the online softmax; None: the decode tile's
-    max_registers: int | None = None  # a cap per thread (more programs per SM), as gemv.py's; None: the compiler's
-
+# (BLOCK_M, num_warps, num_stages) of the prefix pass; its BLOCK_N is the decode tile's, so that the combine
+# kernel cuts the prefix into the same pieces as the prefix pass did.
+PrefixConfig = tuple[int, int, int]
 
 # The prefix pass aims at this many programs (KV heads x row tiles x prefix splits): enough to spread a prefix
 # over the GPU at small batches, while each split adds a partial result per (sequence, head) row to write and
@@ -232,8 +207,8 @@ def cascade_prefix_config(dtype: torch.dtype) -> PrefixConfig:
     for exact float32 products (no tensor cores). One tile whatever the batch, so that an eager step and a
     CUDA graph of a larger size round each row alike."""
     if dtype == torch.float32:
-        return PrefixConfig(32, 4, 1)
-    return PrefixConfig(64, 4, 3)
+        return 32, 4, 1
+    return 64, 4, 3
 
 
 class CascadePlan(NamedTuple):
@@ -244,72 +219,53 @@ class CascadePlan(NamedTuple):
     min_partition: int
     decode_config: DecodeConfig
     prefix_config: PrefixConfig
-    merge_in_suffix: bool  # (one suffix split) the suffix pass merges the prefix's pieces: two launches, no combine
 
 
 def cascade_plan(
     q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata, num_prefix_splits: int | None = None,
     num_splits: int | None = None, config: DecodeConfig | None = None, prefix_config: PrefixConfig | None = None,
-    merge_in_suffix: bool | None = None,
 ) -> CascadePlan:
     """The splits and tiles of a cascade step. Forcing a split count lets pieces be as short as one BLOCK_N
-    tile (tests cut tiny prefixes and suffixes into several), as paged_decode_triton's num_splits does. A suffix
-    of one split merges the prefix's pieces itself unless merge_in_suffix is False (the combine kernel then does,
-    as for several splits; benchmarks compare the two)."""
+    tile (tests cut tiny prefixes and suffixes into several), as paged_decode_triton's num_splits does."""
     num_seqs, num_q_heads, num_kv_heads = meta.num_seqs, q.shape[1], k_cache.shape[2]
     decode = config or decode_config(q.shape[2], q.dtype)
-    prefix = PrefixConfig(*(prefix_config or cascade_prefix_config(q.dtype)))
+    prefix = prefix_config or cascade_prefix_config(q.dtype)
     forced = num_prefix_splits is not None or num_splits is not None
     if num_prefix_splits is None:
-        tiles = triton.cdiv(num_seqs * (num_q_heads // num_kv_heads), prefix.block_m)
+        tiles = triton.cdiv(num_seqs * (num_q_heads // num_kv_heads), prefix[0])
         wanted = triton.cdiv(_CASCADE_TARGET_PROGRAMS, num_kv_heads * tiles)
         num_prefix_splits = max(1, min(_CASCADE_MAX_PREFIX_SPLITS, wanted))
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, meta.max_context_len)
         num_splits = max(1, min(num_splits, _DECODE_MAX_SPLITS - num_prefix_splits))
-    if merge_in_suffix is None:
-        merge_in_suffix = num_splits == 1
-    elif merge_in_suffix and num_splits != 1:
-        raise ValueError(f"the suffix pass merges the prefix's pieces only when it runs as one split, not {num_splits}")
     return CascadePlan(num_prefix_splits, num_splits, decode[0] if forced else _DECODE_MIN_PARTITION, decode,
-                       prefix, merge_in_suffix)
-
-
-def cascade_prefix_triton(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    plan: CascadePlan, num_slots: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pass 1: partial results [B, Hq, num_slots, D] float32 and their log2-sum-exp [B, Hq, num_slots], the
-    prefix's pieces in slots 0 .. P-1 (pieces without keys are not written, nor the slots after P)."""
-    num_seqs, num_q_heads, head_dim = meta.num_seqs, q.shape[1], q.shape[2]
-    num_kv_heads, group = k_cache.shape[2], q.shape[1] // k_cache.shape[2]
-    partial_out = torch.empty((num_seqs, num_q_heads, num_slots, head_dim), dtype=torch.float32, device=q.device)
-    partial_lse = torch.empty((num_seqs, num_q_heads, num_slots), dtype=torch.float32, device=q.device)
-    block_m, num_warps, num_stages, block_n, max_registers = PrefixConfig(*plan.prefix_config)
-    grid = (num_kv_heads, triton.cdiv(num_seqs * group, block_m), plan.num_prefix_splits)
-    _cascade_prefix_kernel[grid](
-        partial_out, partial_lse, q, k_cache, v_cache, meta.block_tables, meta.cu_query_lens, meta.common_prefix_len,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), scale * _LOG2E,
-        num_seqs * group, num_q_heads, plan.num_prefix_splits, num_slots, plan.min_partition,
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n or plan.decode_config[0], SPLIT_N=plan.decode_config[0],
-        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, num_warps=num_warps, num_stages=num_stages, **pdl_options(q),
-        **({} if max_registers is None else {"maxnreg": max_registers}),
-    )
-    return partial_out, partial_lse
+                       prefix)
 
 
 def cascade_partials_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     plan: CascadePlan,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Passes 1 and 2 as the combine kernel takes them (whatever plan.merge_in_suffix says): partial results
-    [B, Hq, P + S, D] float32 and their log2-sum-exp [B, Hq, P + S]; slots 0 .. P-1 hold the prefix's pieces,
-    P .. P+S-1 the suffix's (pieces without keys are not written)."""
-    partial_out, partial_lse = cascade_prefix_triton(q, k_cache, v_cache, meta, scale, plan,
-                                                     plan.num_prefix_splits + plan.num_splits)
+    """Passes 1 and 2: partial results [B, Hq, P + S, D] float32 and their log2-sum-exp [B, Hq, P + S]; slots
+    0 .. P-1 hold the prefix's pieces, P .. P+S-1 the suffix's (pieces without keys are not written)."""
+    num_seqs, num_q_heads, head_dim = meta.num_seqs, q.shape[1], q.shape[2]
+    num_kv_heads, group = k_cache.shape[2], q.shape[1] // k_cache.shape[2]
+    num_slots = plan.num_prefix_splits + plan.num_splits
+    partial_out = torch.empty((num_seqs, num_q_heads, num_slots, head_dim), dtype=torch.float32, device=q.device)
+    partial_lse = torch.empty((num_seqs, num_q_heads, num_slots), dtype=torch.float32, device=q.device)
+    block_m, num_warps, num_stages = plan.prefix_config
+    prefix_len = meta.common_prefix_len
+    grid = (num_kv_heads, triton.cdiv(num_seqs * group, block_m), plan.num_prefix_splits)
+    _cascade_prefix_kernel[grid](
+        partial_out, partial_lse, q, k_cache, v_cache, meta.block_tables, meta.cu_query_lens, prefix_len,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), scale * _LOG2E,
+        num_seqs * group, num_q_heads, plan.num_prefix_splits, num_slots, plan.min_partition,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=plan.decode_config[0], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
+        num_warps=num_warps, num_stages=num_stages, **pdl_options(q),
+    )
     launch_decode(partial_out, partial_out, partial_lse, q, k_cache, v_cache, meta, scale, plan.num_splits,
-                  plan.min_partition, plan.decode_config, meta.common_prefix_len, plan.num_prefix_splits)
+                  plan.min_partition, plan.decode_config, prefix_len, plan.num_prefix_splits)
     return partial_out, partial_lse
 
 
@@ -317,21 +273,13 @@ def cascade_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     plan: CascadePlan | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The Triton kernels of cascade_attention_ref (a decode step with meta.common_prefix_len set), no host syncs:
-    the prefix pass, then the suffix pass merging the prefix's pieces (plan.merge_in_suffix), or the suffix pass
-    and the combine. `plan` overrides cascade_plan."""
+    """The Triton kernels of cascade_attention_ref (a decode step with meta.common_prefix_len set): the prefix
+    pass, the suffix pass and the combine, three launches and no host syncs. `plan` overrides cascade_plan."""
     _check_shapes(q, k_cache, v_cache)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if q.shape[0] == 0 or meta.num_seqs == 0:
         return out
     plan = plan or cascade_plan(q, k_cache, meta)
-    if plan.merge_in_suffix:
-        partial_out, partial_lse = cascade_prefix_triton(q, k_cache, v_cache, meta, scale, plan,
-                                                         plan.num_prefix_splits)
-        launch_decode(out, partial_out, partial_lse, q, k_cache, v_cache, meta, scale, plan.num_splits,
-                      plan.min_partition, plan.decode_config, meta.common_prefix_len, plan.num_prefix_splits,
-                      merge_prefix=True)
-        return out
     partial_out, partial_lse = cascade_partials_triton(q, k_cache, v_cache, meta, scale, plan)
     launch_combine(out, partial_out, partial_lse, meta, plan.num_splits, plan.min_partition, plan.decode_config[0],
                    meta.common_prefix_len, plan.num_prefix_splits)
