@@ -10,8 +10,11 @@
 3. The GPU's timeline over real engine steps (CUDA graphs, async scheduling, greedy) at batch 1: each step's
    period split into the graph's kernels, the work launched outside the graph (input copies, LM head,
    sampler, the tokens' copy to the host), and time the GPU sat idle, with what each idle gap preceded.
+4. With --prompt N: the kernels of one sequence's N-token prompt step, eager (torch.profiler, GPU time of each
+   kernel), against the same step through the engine's CUDA graph (CUDA events), and the products at M = N.
+   A lone prompt's step is what a request's time to first token waits for.
 
-    python benchmarks/profile_step.py [--json PATH] [--timeline-only]
+    python benchmarks/profile_step.py [--json PATH] [--timeline-only] [--prompt N [--prompt-only]]
 """
 
 from __future__ import annotations
@@ -120,6 +123,154 @@ def kernel_breakdown(path: str, batch: int, context: int) -> dict:
     torch.cuda.empty_cache()
     return {"batch": batch, "context": context, "gpu_kernel_us": total, "groups_us": groups,
             "kernels_us": dict(per_kernel)}
+
+
+def prompt_breakdown(path: str, prompt_len: int, reps: int = 10) -> dict:
+    """Per-kernel GPU time of one sequence's `prompt_len`-token prompt step (eager, no lookahead step: only the
+    prompt's kernels run), and the GPU time of the same step through the engine's graphs (CUDA events)."""
+    import random
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from tinyvllm import LLM, SamplingParams
+
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    result: dict = {"prompt_len": prompt_len}
+    for eager in (True, False):
+        llm = LLM(path, skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.5,
+                  enforce_eager=eager, async_scheduling=False)
+
+        def one_request(llm: LLM = llm) -> None:
+            llm.generate([[rng.randrange(10000) for _ in range(prompt_len)]], params, use_tqdm=False)
+
+        for _ in range(3):
+            one_request()
+        torch.cuda.synchronize()
+        if eager:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(reps):
+                    one_request()
+                torch.cuda.synchronize()
+            per_kernel: dict[str, float] = defaultdict(float)
+            for event in prof.events():
+                if event.device_type == torch.autograd.DeviceType.CUDA:
+                    per_kernel[event.name] += event.time_range.elapsed_us() / reps
+            total = sum(per_kernel.values())
+            groups: dict[str, float] = defaultdict(float)
+            for name, us in per_kernel.items():
+                groups[_group(name)] += us
+            print(f"\n  eager prompt step, one sequence of {prompt_len} tokens: GPU kernel time {total / 1e3:.3f} ms")
+            for group, us in sorted(groups.items(), key=lambda kv: -kv[1]):
+                print(f"    {group:<28} {us:8.1f} us  {us / total:5.1%}")
+            print("    top kernels:")
+            for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:14]:
+                print(f"      {us:8.1f} us  {name[:110]}")
+            result.update(gpu_kernel_us=total, groups_us=dict(groups), kernels_us=dict(per_kernel))
+        else:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            times = []
+            for _ in range(reps):
+                start.record()
+                one_request()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            ms = sorted(times)[len(times) // 2]
+            print(f"  through the engine's graphs: GPU time of a request (its prompt step, LM head, sampler, "
+                  f"copies) {ms:.3f} ms median")
+            result["graph_request_gpu_ms"] = ms
+        del llm
+        torch.cuda.empty_cache()
+    return result
+
+
+def prompt_timeline(path: str, prompt_len: int, samples: int = 8) -> dict:
+    """Where a lone request's time to first token goes, as latency.py takes it (graphs, async scheduling, two
+    tokens, run to the end): torch.profiler's trace of `samples` such requests (CUDA activity and the runtime
+    calls that launch it), each cut from a marker before add_request to one after its first token is out of
+    LLMEngine.step. Per request: the host's time before the first kernel starts, the GPU's span and busy time up
+    to the first token (the lookahead step's kernels, launched meanwhile, are left out), the wait from the GPU's
+    end to the token on the host, and from there to the token out of step(); and the runtime calls by time."""
+    import os
+    import random
+    import tempfile
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from tinyvllm import LLM, SamplingParams
+
+    rng = random.Random(1)
+    llm = LLM(path, skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.5)
+    engine = llm.llm_engine
+    two = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+    def sample(i: int, marks: list | None, engine=engine) -> None:
+        request_id = f"t{i}"
+        torch.cuda.synchronize()
+        if marks is not None:
+            marks.append(time.perf_counter())
+        engine.add_request(request_id, [rng.randrange(10000) for _ in range(prompt_len)], two, output_kind="delta")
+        while not any(o.request_id == request_id and o.outputs[0].token_ids for o in engine.step()):
+            pass
+        if marks is not None:
+            marks.append(time.perf_counter())
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    for i in range(4):
+        sample(-1 - i, None)
+    marks: list[float] = []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(samples):
+            torch.cuda.synchronize()
+            torch.cuda.current_stream().query()  # (a runtime call in the trace: the sample's start)
+            sample(i, marks)
+            torch.cuda.current_stream().query()  # (and its end, the first token out of step())
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            events = json.load(f)["traceEvents"]
+    del llm, engine
+    torch.cuda.empty_cache()
+    runtime = sorted((e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")), key=lambda e: e["ts"])
+    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                    key=lambda e: e["ts"])
+    queries = [e for e in runtime if "StreamQuery" in e["name"]]
+    rows, slow_calls = [], defaultdict(list)
+    for k in range(min(samples, len(queries) // 2)):
+        begin, end = queries[2 * k]["ts"], queries[2 * k + 1]["ts"]
+        calls = [e for e in runtime if begin <= e["ts"] < end]
+        # The first token is on the host when the last wait for an event returns; the device work that ended
+        # by then is the prompt's (the lookahead step launched meanwhile runs on past it).
+        waits = [e["ts"] + e["dur"] for e in calls if "EventSynchronize" in e["name"]]
+        token = max(waits, default=end)
+        work = [e for e in device if begin <= e["ts"] and e["ts"] + e["dur"] <= token]
+        if not work:
+            continue
+        first, last = work[0]["ts"], max(e["ts"] + e["dur"] for e in work)
+        rows.append({"total_us": end - begin, "host_before_gpu_us": first - begin, "gpu_span_us": last - first,
+                     "gpu_busy_us": sum(e["dur"] for e in work), "gpu_end_to_token_us": token - last,
+                     "token_to_step_out_us": end - token, "kernels": len(work)})
+        for e in calls:
+            slow_calls[e["name"]].append(e["dur"])
+    med = {key: sorted(r[key] for r in rows)[len(rows) // 2] for key in rows[0]} if rows else {}
+    wall = sorted(b - a for a, b in zip(marks[::2], marks[1::2]))
+    print(f"\n  a lone {prompt_len}-token request to its first token (graphs, async; {len(rows)} samples, "
+          f"medians; wall {wall[len(wall) // 2] * 1e3:.3f} ms, under the profiler):")
+    for key, value in med.items():
+        print(f"    {key:<20} {value:9.1f}")
+    print("    runtime calls per sample (count, total us):")
+    for name, durs in sorted(slow_calls.items(), key=lambda kv: -sum(kv[1]))[:10]:
+        print(f"      {name:<40} {len(durs) / max(len(rows), 1):6.1f} {sum(durs) / max(len(rows), 1):9.1f}")
+    return {"samples": rows, "medians": med,
+            "runtime_calls": {k: [len(v) / max(len(rows), 1), sum(v) / max(len(rows), 1)]
+                              for k, v in slow_calls.items()}}
 
 
 def _group(name: str) -> str:
@@ -231,10 +382,22 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--batches", default="1,256")
     parser.add_argument("--timeline-only", action="store_true", help="only part 3, the engine's GPU timeline")
+    parser.add_argument("--prompt", type=int, default=None, metavar="N", help="also part 4, a lone N-token prompt")
+    parser.add_argument("--prompt-only", action="store_true", help="only part 4")
     args = parser.parse_args()
     path = random_llama_1b()
     result = {"commit": commit(), "gpu": gpu_name()}
     print(f"profile_step on {result['gpu']} at {result['commit']}")
+    if args.prompt:
+        result["prompt"] = prompt_breakdown(path, args.prompt)
+        result["prompt"]["timeline"] = prompt_timeline(path, args.prompt)
+        print("matrix products at the prompt's rows (16 distinct weights per shape, CUDA graph):")
+        result["prompt"]["matmuls"] = bench_matmuls([args.prompt])
+        if args.prompt_only:
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(result, f, indent=1)
+            return
     result["timeline"] = engine_timeline(path)
     if not args.timeline_only:
         print("matrix products (16 distinct weights per shape, CUDA graph):")
