@@ -186,6 +186,33 @@ def prompt_breakdown(path: str, prompt_len: int, reps: int = 10) -> dict:
     return result
 
 
+def request_windows(events: list[dict], samples: int) -> tuple[list[dict], dict[str, list[float]]]:
+    """prompt_timeline's trace cut into its requests, each between two cudaStreamQuery markers: per request its
+    times (us), and the durations of the runtime calls made in it by name."""
+    runtime = sorted((e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")), key=lambda e: e["ts"])
+    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                    key=lambda e: e["ts"])
+    queries = [e for e in runtime if "StreamQuery" in e["name"]]
+    rows, slow_calls = [], defaultdict(list)
+    for k in range(min(samples, len(queries) // 2)):
+        begin, end = queries[2 * k]["ts"], queries[2 * k + 1]["ts"]
+        calls = [e for e in runtime if begin <= e["ts"] < end]
+        # The first token is on the host when the last wait for an event returns; the device work that ended
+        # by then is the prompt's (the lookahead step launched meanwhile runs on past it).
+        waits = [e["ts"] + e["dur"] for e in calls if "EventSynchronize" in e["name"]]
+        token = max(waits, default=end)
+        work = [e for e in device if begin <= e["ts"] and e["ts"] + e["dur"] <= token]
+        if not work:
+            continue
+        first, last = work[0]["ts"], max(e["ts"] + e["dur"] for e in work)
+        rows.append({"total_us": end - begin, "host_before_gpu_us": first - begin, "gpu_span_us": last - first,
+                     "gpu_busy_us": sum(e["dur"] for e in work), "gpu_end_to_token_us": token - last,
+                     "token_to_step_out_us": end - token, "kernels": len(work)})
+        for e in calls:
+            slow_calls[e["name"]].append(e["dur"])
+    return rows, slow_calls
+
+
 def prompt_timeline(path: str, prompt_len: int, samples: int = 8) -> dict:
     """Where a lone request's time to first token goes, as latency.py takes it (graphs, async scheduling, two
     tokens, run to the end): torch.profiler's trace of `samples` such requests (CUDA activity and the runtime
@@ -238,27 +265,7 @@ def prompt_timeline(path: str, prompt_len: int, samples: int = 8) -> dict:
             events = json.load(f)["traceEvents"]
     del llm, engine
     torch.cuda.empty_cache()
-    runtime = sorted((e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")), key=lambda e: e["ts"])
-    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-                    key=lambda e: e["ts"])
-    queries = [e for e in runtime if "StreamQuery" in e["name"]]
-    rows, slow_calls = [], defaultdict(list)
-    for k in range(min(samples, len(queries) // 2)):
-        begin, end = queries[2 * k]["ts"], queries[2 * k + 1]["ts"]
-        calls = [e for e in runtime if begin <= e["ts"] < end]
-        # The first token is on the host when the last wait for an event returns; the device work that ended
-        # by then is the prompt's (the lookahead step launched meanwhile runs on past it).
-        waits = [e["ts"] + e["dur"] for e in calls if "EventSynchronize" in e["name"]]
-        token = max(waits, default=end)
-        work = [e for e in device if begin <= e["ts"] and e["ts"] + e["dur"] <= token]
-        if not work:
-            continue
-        first, last = work[0]["ts"], max(e["ts"] + e["dur"] for e in work)
-        rows.append({"total_us": end - begin, "host_before_gpu_us": first - begin, "gpu_span_us": last - first,
-                     "gpu_busy_us": sum(e["dur"] for e in work), "gpu_end_to_token_us": token - last,
-                     "token_to_step_out_us": end - token, "kernels": len(work)})
-        for e in calls:
-            slow_calls[e["name"]].append(e["dur"])
+    rows, slow_calls = request_windows(events, samples)
     med = {key: sorted(r[key] for r in rows)[len(rows) // 2] for key in rows[0]} if rows else {}
     wall = sorted(b - a for a, b in zip(marks[::2], marks[1::2]))
     print(f"\n  a lone {prompt_len}-token request to its first token (graphs, async; {len(rows)} samples, "
