@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU and its own CUDA torch (no setup here: run it with the python that has them):
 # the GPU tests, then the benchmarks, each part under a time limit so that one that hangs cannot take the rest.
-# Parts: tests, latency, throughput, shared-prefix, serve (default: all, in that order), e.g.
+# Parts: tests, latency, throughput, shared-prefix, serve, serve-floor (default: all, in that order), e.g.
 #     bash scripts/gpu_check.sh tests latency
 # PYTHON picks the interpreter (default python3); LIMIT_S the seconds per part (default 300, and 540 for the tests:
 # on an H100 the 209 GPU tests took more than 280 s).
@@ -11,7 +11,7 @@ python=${PYTHON:-python3}
 limit=${LIMIT_S:-300}
 tests_limit=${LIMIT_S:-540}
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(tests latency throughput shared-prefix serve)
+[ ${#parts[@]} -gt 0 ] || parts=(tests latency throughput shared-prefix serve serve-floor)
 status=0
 for part in "${parts[@]}"; do
     case $part in
@@ -20,7 +20,8 @@ for part in "${parts[@]}"; do
         throughput) command=("$python" benchmarks/throughput.py --trace --no-peer) ;;
         shared-prefix) command=("$python" benchmarks/shared_prefix.py --trace) ;;
         serve) command=("$python" benchmarks/serve.py --concurrency 1,64,256 --num-clients 4 --api-server-count 4) ;;
-        *) echo "unknown part: $part (tests, latency, throughput, shared-prefix, serve)" >&2; exit 2 ;;
+        serve-floor) command=("$python" benchmarks/serve_floor.py) ;;
+        *) echo "unknown part: $part (tests, latency, throughput, shared-prefix, serve, serve-floor)" >&2; exit 2 ;;
     esac
     part_limit=$limit
     [ "$part" = tests ] && part_limit=$tests_limit
