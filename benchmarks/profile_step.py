@@ -11,8 +11,9 @@
    period split into the graph's kernels, the work launched outside the graph (input copies, LM head,
    sampler, the tokens' copy to the host), and time the GPU sat idle, with what each idle gap preceded.
 4. With --prompt N: the kernels of one sequence's N-token prompt step, eager (torch.profiler, GPU time of each
-   kernel), against the same step through the engine's CUDA graph (CUDA events), and the products at M = N.
-   A lone prompt's step is what a request's time to first token waits for.
+   kernel), the products at M = N, and a trace of lone requests through the engine's graphs split into the
+   host's time before the GPU starts, the GPU's, and the wait for the token: what a request's time to first
+   token waits for.
 
     python benchmarks/profile_step.py [--json PATH] [--timeline-only] [--prompt N [--prompt-only]]
 """
@@ -126,8 +127,8 @@ def kernel_breakdown(path: str, batch: int, context: int) -> dict:
 
 
 def prompt_breakdown(path: str, prompt_len: int, reps: int = 10) -> dict:
-    """Per-kernel GPU time of one sequence's `prompt_len`-token prompt step (eager, no lookahead step: only the
-    prompt's kernels run), and the GPU time of the same step through the engine's graphs (CUDA events)."""
+    """Per-kernel GPU time of one sequence's `prompt_len`-token prompt step (eager, async scheduling off: no
+    lookahead step runs beside it, so the kernels are the prompt's, its LM head and its sampler's)."""
     import random
 
     import torch
@@ -137,53 +138,34 @@ def prompt_breakdown(path: str, prompt_len: int, reps: int = 10) -> dict:
 
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    result: dict = {"prompt_len": prompt_len}
-    for eager in (True, False):
-        llm = LLM(path, skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.5,
-                  enforce_eager=eager, async_scheduling=False)
-
-        def one_request(llm: LLM = llm) -> None:
-            llm.generate([[rng.randrange(10000) for _ in range(prompt_len)]], params, use_tqdm=False)
-
-        for _ in range(3):
-            one_request()
+    llm = LLM(path, skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.5,
+              enforce_eager=True, async_scheduling=False)
+    prompts = [[[rng.randrange(10000) for _ in range(prompt_len)]] for _ in range(reps + 3)]
+    for prompt in prompts[:3]:
+        llm.generate(prompt, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for prompt in prompts[3:]:
+            llm.generate(prompt, params, use_tqdm=False)
         torch.cuda.synchronize()
-        if eager:
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(reps):
-                    one_request()
-                torch.cuda.synchronize()
-            per_kernel: dict[str, float] = defaultdict(float)
-            for event in prof.events():
-                if event.device_type == torch.autograd.DeviceType.CUDA:
-                    per_kernel[event.name] += event.time_range.elapsed_us() / reps
-            total = sum(per_kernel.values())
-            groups: dict[str, float] = defaultdict(float)
-            for name, us in per_kernel.items():
-                groups[_group(name)] += us
-            print(f"\n  eager prompt step, one sequence of {prompt_len} tokens: GPU kernel time {total / 1e3:.3f} ms")
-            for group, us in sorted(groups.items(), key=lambda kv: -kv[1]):
-                print(f"    {group:<28} {us:8.1f} us  {us / total:5.1%}")
-            print("    top kernels:")
-            for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:14]:
-                print(f"      {us:8.1f} us  {name[:110]}")
-            result.update(gpu_kernel_us=total, groups_us=dict(groups), kernels_us=dict(per_kernel))
-        else:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            times = []
-            for _ in range(reps):
-                start.record()
-                one_request()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            ms = sorted(times)[len(times) // 2]
-            print(f"  through the engine's graphs: GPU time of a request (its prompt step, LM head, sampler, "
-                  f"copies) {ms:.3f} ms median")
-            result["graph_request_gpu_ms"] = ms
-        del llm
-        torch.cuda.empty_cache()
-    return result
+    del llm
+    torch.cuda.empty_cache()
+    per_kernel: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name] += event.time_range.elapsed_us() / reps
+    total = sum(per_kernel.values())
+    groups: dict[str, float] = defaultdict(float)
+    for name, us in per_kernel.items():
+        groups[_group(name)] += us
+    print(f"\n  eager prompt step, one sequence of {prompt_len} tokens: GPU kernel time {total / 1e3:.3f} ms")
+    for group, us in sorted(groups.items(), key=lambda kv: -kv[1]):
+        print(f"    {group:<28} {us:8.1f} us  {us / total:5.1%}")
+    print("    top kernels:")
+    for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:14]:
+        print(f"      {us:8.1f} us  {name[:110]}")
+    return {"prompt_len": prompt_len, "gpu_kernel_us": total, "groups_us": dict(groups),
+            "kernels_us": dict(per_kernel)}
 
 
 def request_windows(events: list[dict], samples: int) -> tuple[list[dict], dict[str, list[float]]]:
