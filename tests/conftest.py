@@ -46,6 +46,35 @@ def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "empty", poisoned_empty)
 
 
+@pytest.fixture
+def fp8_casts_as_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Conversions to and from float8 e4m3 (kv_cache_dtype="fp8") under the Triton interpreter as the GPU makes them.
+    The interpreter's own (triton 3.9, runtime/interpreter.py's _convert_float) loses the carry of a rounding into
+    the exponent (7.8 becomes 4.0, not 8.0), flushes subnormals to zero and reads e4m3fn's NaN as 480. Here they
+    round to nearest even (PTX's cvt.rn) and read NaN as NaN, through torch; a value beyond +-448 becomes NaN, as a
+    cast that does not saturate makes it, so a kernel that forgets its clamp (rotary.cast_for_store) fails."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._convert_float
+    types = {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16,
+             tl.float8e4nv: torch.float8_e4m3fn}
+
+    def convert(data, input_dtype, output_dtype, rounding_mode):  # (data: the values' bits, as numpy uints)
+        if tl.float8e4nv not in (input_dtype, output_dtype) or input_dtype not in types or output_dtype not in types:
+            return original(data, input_dtype, output_dtype, rounding_mode)
+        x = torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8).copy()).view(types[input_dtype])
+        if output_dtype == tl.float8e4nv:
+            x = x.float()
+            x = x.masked_fill(x.abs() > 448, float("nan"))
+        out = x.to(types[output_dtype]).view(torch.uint8).numpy()
+        return out.view(f"uint{output_dtype.primitive_bitwidth}").reshape(data.shape)
+
+    monkeypatch.setattr(interpreter, "_convert_float", convert)
+
+
 @pytest.fixture(scope="session")
 def smol_tokenizer_dir(tmp_path_factory):
     """The embedded SmolLM2 tokenizer saved as a Hugging Face tokenizer directory, to give small

@@ -153,6 +153,30 @@ def test_each_pass_against_its_reference() -> None:
     _close(partial_lse[:, :, 1], suffix_lse)
 
 
+@pytest.mark.usefixtures("fp8_casts_as_on_the_gpu")
+@pytest.mark.parametrize("case", ["several blocks, gqa 3", "row tiles and splits"])
+def test_cascade_with_fp8_cache(case: str) -> None:
+    """kv_cache_dtype="fp8": both passes read the float8 cache as the query's dtype, the references as float32; with
+    the same cache they agree as closely as with a float32 one, each pass and the whole."""
+    prefix_len, suffixes, num_q_heads, num_kv_heads, prefix_splits, splits, config, prefix_config = CASES[case]
+    q, k_cache, v_cache, meta = shared_prefix_batch(prefix_len, suffixes, num_q_heads, num_kv_heads)
+    k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)  # (NaN stays NaN)
+    scale = q.shape[-1] ** -0.5
+    plan = cascade_plan(q, k_cache, meta, prefix_splits, splits, config, prefix_config)
+    _close(cascade_attention_triton(q, k_cache, v_cache, meta, scale, plan),
+           paged_attention_ref(q, k_cache, v_cache, _plain(meta), scale))
+    _close(cascade_attention_ref(q, k_cache, v_cache, meta, scale),
+           paged_attention_ref(q, k_cache, v_cache, _plain(meta), scale))
+    one_each = cascade_plan(q, k_cache, meta, num_prefix_splits=1, num_splits=1)
+    partial_out, partial_lse = cascade_partials_triton(q, k_cache, v_cache, meta, scale, one_each)
+    prefix_out, prefix_lse = cascade_prefix_ref(q, k_cache, v_cache, meta.block_tables[0], prefix_len, scale)
+    suffix_out, suffix_lse = cascade_suffix_ref(q, k_cache, v_cache, meta, prefix_len, scale)
+    _close(partial_out[:, :, 0], prefix_out)
+    _close(partial_lse[:, :, 0], prefix_lse)
+    _close(partial_out[:, :, 1], suffix_out)
+    _close(partial_lse[:, :, 1], suffix_lse)
+
+
 def test_use_cascade_attention_thresholds() -> None:
     assert use_cascade_attention(CASCADE_MIN_PREFIX_TOKENS, CASCADE_MIN_SEQS)
     assert not use_cascade_attention(CASCADE_MIN_PREFIX_TOKENS - BLOCK_SIZE, 256)

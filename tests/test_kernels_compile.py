@@ -43,6 +43,11 @@ _SAMPLING = {"value_ptr": "*fp32", "index_ptr": "*i32", "cutoff_ptr": "*fp32", "
              "min_p_ptr": "*fp32", "seeds_ptr": "*i64"}
 _ROPE = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_ptr": "*i64"}
 _DECODE = dict(GROUP=4, BLOCK_G=4, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=64, USE_PDL=True)
+# kv_cache_dtype="fp8": the caches in float8 e4m3 (Triton's fp8e4nv, which needs sm_89+), every other pointer as above
+_FP8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+_PREFILL = dict(GROUP=4, BLOCK_M=128, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=64, USE_PDL=True)
+_GEMV_QKV = dict(BLOCK_N=2, BLOCK_K=2048, NORM=True, HAS_RESIDUAL=True, SILU_MUL=False, ROPE=True, HALF=32,
+                 EVEN_K=True, USE_PDL=True)
 CASES = [
     *[(_ATTENTION, "_paged_decode_kernel", {**_DECODE, "SINGLE_SPLIT": single, "SKIP_PREFIX": skip}, _PARTIALS, 4)
       for single, skip in ((True, False), (False, False), (False, True))],
@@ -65,6 +70,18 @@ CASES = [
        _ROPE, 4)
       for block_n, block_k, norm, silu, rope in ((2, 2048, True, False, True), (4, 2048, True, False, False),
                                                  (2, 2048, True, True, False), (1, 8192, False, False, False))],
+    # Every kernel that reads or writes the KV cache, with a float8 cache: decode (one split, several, the cascade
+    # suffix pass), the cascade prefix pass, prefill, and the stores (rotary.py's kernel, the qkv GEMV's epilogue).
+    *[(_ATTENTION, "_paged_decode_kernel", {**_DECODE, "SINGLE_SPLIT": single, "SKIP_PREFIX": skip},
+       {**_PARTIALS, **_FP8}, 4)
+      for single, skip in ((True, False), (False, False), (False, True))],
+    ("tinyvllm.ops.cascade_attention", "_cascade_prefix_kernel",
+     dict(GROUP=4, BLOCK_M=64, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=64, USE_PDL=True), {**_PARTIALS, **_FP8}, 4),
+    (_ATTENTION, "_paged_prefill_kernel", _PREFILL, {**_PARTIALS, **_FP8}, 8),
+    ("tinyvllm.ops.rotary", "_rotary_and_store_kernel",
+     dict(HALF=32, BLOCK_Q_HEADS=32, BLOCK_KV_HEADS=8, USE_PDL=True),
+     {"positions_ptr": "*i64", "cache_ptr": "*fp32", "slot_mapping_ptr": "*i64", **_FP8}, 4),
+    ("tinyvllm.ops.gemv", "_gemv_kernel", _GEMV_QKV, {**_ROPE, **_FP8}, 4),
 ]
 
 

@@ -154,3 +154,26 @@ def test_rope_store_without_the_gemv() -> None:
     y, _ = fused_norm_linear_triton(x, residual, norm_weight, EPS, w, config=SkinnyConfig(16, 16, 16, 1), rope=rope)
     _close(y, ref)
     _close(caches, ref_caches)
+
+
+@pytest.mark.usefixtures("fp8_casts_as_on_the_gpu")
+@pytest.mark.parametrize("m,block_n,magnitude", [(1, 16, 1.0), (2, 4, 1.0), (1, 16, 100.0)])
+def test_rope_store_epilogue_into_fp8_cache(m: int, block_n: int, magnitude: float) -> None:
+    """kv_cache_dtype="fp8": the epilogue stores k and v rounded to e4m3 as the reference does, y unchanged; with
+    large weights (magnitude 100: products far beyond 448) every stored value saturates at +-448, none is NaN."""
+    x, residual, norm_weight, w, caches, rope = _rope_case(m, seed=m * 10 + block_n)
+    w = magnitude * w
+    caches = caches.to(torch.float8_e4m3fn)
+    rope = rope._replace(k_cache=caches[0], v_cache=caches[1])
+    ref_caches = caches.clone()
+    ref, _ = fused_norm_linear_ref(x, residual, norm_weight, EPS, w,
+                                   rope=rope._replace(k_cache=ref_caches[0], v_cache=ref_caches[1]))
+    y, _ = fused_norm_linear_triton(x, residual, norm_weight, EPS, w, config=GemvConfig(block_n), rope=rope)
+    torch.testing.assert_close(y, ref, atol=1e-4 * magnitude, rtol=1e-4)
+    same = caches.view(torch.uint8) == ref_caches.view(torch.uint8)
+    assert float(same.float().mean()) > 0.99  # (the rest one e4m3 step apart: a product on a rounding boundary)
+    torch.testing.assert_close(caches.float(), ref_caches.float(), atol=2.0**-9, rtol=0.125)
+    stored = caches.flatten(1, 2)[:, rope.slot_mapping[rope.slot_mapping >= 0]].float()
+    assert not stored.isnan().any()
+    if magnitude > 1:
+        assert (stored.abs() == 448).float().mean() > 0.5

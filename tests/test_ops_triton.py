@@ -133,6 +133,68 @@ def test_rotary_embedding_and_store(num_q_heads: int, num_kv_heads: int, head_di
     torch.testing.assert_close(k, original_k, atol=0, rtol=0)  # k itself is read only
 
 
+FP8 = torch.float8_e4m3fn
+
+
+def _close_fp8(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Two float8 e4m3 tensors rounded from values that agree to float32 (or the query dtype's) rounding: nearly all
+    bit for bit, the rest one e4m3 step apart (3 mantissa bits: at most 1/8 of the value, or the least subnormal)
+    where the value sat on a rounding boundary. NaN where the other has NaN."""
+    assert actual.dtype == expected.dtype == FP8
+    same = actual.view(torch.uint8) == expected.view(torch.uint8)
+    assert float(same.float().mean()) > 0.99, f"{int((~same).sum())} of {same.numel()} differ"
+    torch.testing.assert_close(actual.float(), expected.float(), atol=2.0**-9, rtol=0.125, equal_nan=True)
+
+
+def _rotary_case(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype,
+                 magnitude: float = 1.0) -> tuple:
+    """rotary_embedding_and_store's inputs (q, k, v views of one qkv product, times `magnitude`) and random caches."""
+    num_blocks, block_size, tokens = 4, 8, 6
+    cos_sin = build_cos_sin_cache(head_dim, 200, 500000.0, LLAMA3_SCALING, torch.device("cpu"))
+    positions = torch.randint(0, 200, (tokens,))
+    slots = torch.tensor([9, -1, 30, 0, -1, 17], dtype=torch.int64)  # two padding tokens
+    qkv = (magnitude * torch.randn(tokens, (num_q_heads + 2 * num_kv_heads) * head_dim)).to(dtype)
+    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = (x.view(tokens, -1, head_dim) for x in (q, k, v))
+    caches = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
+    return positions, q, k, v, cos_sin, caches, slots
+
+
+@pytest.mark.usefixtures("fp8_casts_as_on_the_gpu")
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim", [(4, 2, 64), (9, 3, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding_and_store_into_fp8_cache(num_q_heads: int, num_kv_heads: int, head_dim: int,
+                                                   dtype: torch.dtype) -> None:
+    """kv_cache_dtype="fp8": the kernel stores what the reference stores (rotated k, then rounded to e4m3), and q is
+    as with any cache."""
+    positions, q, k, v, cos_sin, caches, slots = _rotary_case(num_q_heads, num_kv_heads, head_dim, dtype, FP8)
+    ref_caches = caches.clone()
+    ref_q = rotary_embedding_and_store_ref(positions, q.clone(), k.clone(), v.clone(), cos_sin, ref_caches[0],
+                                           ref_caches[1], slots)
+    rotary_embedding_and_store_triton(positions, q, k, v, cos_sin, caches[0], caches[1], slots)
+    _close(q, ref_q)
+    _close_fp8(caches[0], ref_caches[0])
+    assert torch.equal(caches[1].view(torch.uint8), ref_caches[1].view(torch.uint8))  # v is not rotated: exact
+
+
+@pytest.mark.usefixtures("fp8_casts_as_on_the_gpu")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_into_fp8_cache_saturates(dtype: torch.dtype) -> None:
+    """Keys and values beyond e4m3's +-448 land as +-448 (e4m3fn has no infinity), never NaN, in the kernel (whose
+    fixture makes an unclamped cast NaN) and the reference alike."""
+    positions, q, k, v, cos_sin, caches, slots = _rotary_case(4, 2, 64, dtype, FP8, magnitude=2000.0)
+    ref_caches = caches.clone()
+    rotary_embedding_and_store_ref(positions, q.clone(), k.clone(), v.clone(), cos_sin, ref_caches[0], ref_caches[1],
+                                   slots)
+    rotary_embedding_and_store_triton(positions, q, k, v, cos_sin, caches[0], caches[1], slots)
+    stored, ref_stored = (c.flatten(1, 2)[:, slots[slots >= 0]] for c in (caches, ref_caches))
+    assert not stored.float().isnan().any() and not ref_stored.float().isnan().any()
+    assert (stored.float().abs() == 448).float().mean() > 0.5  # most of 2000 * randn is beyond 448
+    _close_fp8(stored[0], ref_stored[0])  # (rotated k: the interpreter rounds to bfloat16 its own way)
+    expected_v = v[slots >= 0].float().clamp(-448, 448).to(FP8)
+    assert torch.equal(stored[1].float(), expected_v.float()) and torch.equal(ref_stored[1].float(), expected_v.float())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_silu_and_mul(dtype: torch.dtype) -> None:
     x = (3 * torch.randn(5, 2 * 1100)).to(dtype)  # two column tiles, the second partial
@@ -270,6 +332,48 @@ def test_paged_prefill(shape: tuple, batch: str, config: tuple[int, int, int, in
         out = paged_attention_triton(q, k_cache, v_cache, meta, scale)
     else:
         out = paged_prefill_triton(q, k_cache, v_cache, meta, scale, config=config)
+    _close(out, expected)
+
+
+# kv_cache_dtype="fp8": the kernels read the float8 cache as the query's dtype (exact: every e4m3 value is one of
+# float16's, bfloat16's and float32's), the reference as float32, so they agree as closely as with a cache of the
+# query's dtype. Unowned slots stay NaN (e4m3fn has a NaN).
+_FP8_SHAPES = [(8, 2, 64, 32, torch.float32), (6, 2, 64, 16, torch.float32), (4, 1, 64, 16, torch.float16)]
+
+
+def _fp8_paged_batch(query_lens: list[int], context_lens: list[int], shape: tuple) -> tuple:
+    num_q_heads, num_kv_heads, head_dim, block_size, dtype = shape
+    q, k_cache, v_cache, meta = _paged_batch(query_lens, context_lens, num_q_heads, num_kv_heads, head_dim,
+                                             block_size, torch.float32)
+    return q.to(dtype), k_cache.to(FP8), v_cache.to(FP8), meta
+
+
+@pytest.mark.usefixtures("fp8_casts_as_on_the_gpu")
+@pytest.mark.parametrize("shape", _FP8_SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv-d{s[2]}-bs{s[3]}-{s[4]}")
+@pytest.mark.parametrize("num_splits,config", [(None, None), (3, None), (4, (32, 4, 1))],
+                         ids=["default", "3-splits", "4-splits-block32"])
+def test_paged_decode_fp8_cache(shape: tuple, num_splits: int | None, config: tuple[int, int, int] | None) -> None:
+    q, k_cache, v_cache, meta = _fp8_paged_batch([1, 1, 0, 1, 1], [5, 2 * shape[3] + 3, 9, 70, 0], shape)
+    scale = shape[2] ** -0.5
+    expected = paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    if num_splits is None:
+        out = paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    else:
+        out = paged_decode_triton(q, k_cache, v_cache, meta, scale, num_splits=num_splits, config=config)
+    assert out.dtype == q.dtype
+    _close(out, expected)
+
+
+@pytest.mark.usefixtures("fp8_casts_as_on_the_gpu")
+@pytest.mark.parametrize("shape", _FP8_SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv-d{s[2]}-bs{s[3]}-{s[4]}")
+@pytest.mark.parametrize("batch", list(_PREFILL_BATCHES))
+@pytest.mark.parametrize("config", [None, (16, 16, 4, 1)], ids=["default-tiles", "small-tiles"])
+def test_paged_prefill_fp8_cache(shape: tuple, batch: str, config: tuple[int, int, int, int] | None) -> None:
+    q, k_cache, v_cache, meta = _fp8_paged_batch(*_PREFILL_BATCHES[batch], shape)
+    scale = shape[2] ** -0.5
+    expected = paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    out = (paged_attention_triton(q, k_cache, v_cache, meta, scale) if config is None
+           else paged_prefill_triton(q, k_cache, v_cache, meta, scale, config=config))
     _close(out, expected)
 
 

@@ -151,6 +151,8 @@ if triton is not None:
     #   l' = l * exp2(m - m') + rowsum(p);      acc' = acc * exp2(m - m') + p @ V
     # K/V rows are gathered through the block table: key n lives in block table[n // BLOCK_SIZE], slot
     # n % BLOCK_SIZE. CAUSAL masks key n > q_pos[row]; BOUNDED masks keys >= kv_end (tiles that are not full).
+    # K and V are converted to q's dtype as they are loaded: a float8 cache (kv_cache_dtype="fp8") is read as
+    # half the bytes and multiplied as q's type; for a cache of q's dtype the conversion is no code at all.
     @triton.jit
     def _attend_tile(
         acc, m_i, l_i, q, q_pos, start_n, kv_end, table_ptr, k_base, v_base,
@@ -172,6 +174,7 @@ if triton is not None:
             k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
+        k = k.to(q.dtype)
         s = _dot(q, tl.trans(k)) * qk_scale
         if CAUSAL:
             s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
@@ -185,6 +188,7 @@ if triton is not None:
             v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
         else:
             v = tl.load(v_ptrs)
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)
         return acc, m_new, l_i
 

@@ -69,6 +69,7 @@ def gemv_config(n: int, k: int, paired: bool = False, element_size: int = 2,
 
 
 if triton is not None:
+    from tinyvllm.ops.rotary import cast_for_store
 
     @triton.jit(do_not_specialize=["M"])
     def _gemv_kernel(
@@ -162,13 +163,13 @@ if triton is not None:
             kv_head = head - num_q_heads
             is_k = mask & (kv_head >= 0) & (kv_head < num_kv_heads)
             k_dst = k_cache_ptr + block * stride_kb + offset * stride_ks + kv_head * stride_kh + j
-            tl.store(k_dst, r1.to(k_cache_ptr.dtype.element_ty), mask=is_k)
-            tl.store(k_dst + HALF, r2.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+            tl.store(k_dst, cast_for_store(r1, k_cache_ptr), mask=is_k)
+            tl.store(k_dst + HALF, cast_for_store(r2, k_cache_ptr), mask=is_k)
             v_head = kv_head - num_kv_heads
             is_v = mask & (v_head >= 0)
             v_dst = v_cache_ptr + block * stride_vb + offset * stride_vs + v_head * stride_vh + j
-            tl.store(v_dst, x1.to(v_cache_ptr.dtype.element_ty), mask=is_v)
-            tl.store(v_dst + HALF, x2.to(v_cache_ptr.dtype.element_ty), mask=is_v)
+            tl.store(v_dst, cast_for_store(x1, v_cache_ptr), mask=is_v)
+            tl.store(v_dst + HALF, cast_for_store(x2, v_cache_ptr), mask=is_v)
 
 
 def launch_gemv(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, stride_w: int, residual: torch.Tensor,

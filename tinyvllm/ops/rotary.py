@@ -45,15 +45,31 @@ def build_cos_sin_cache(
     return torch.cat([angles.cos(), angles.sin()], dim=-1).to(device)
 
 
+# The largest finite float8 e4m3fn (torch.finfo(torch.float8_e4m3fn).max). The format has no infinity, and what a
+# cast makes of a larger value depends on who casts (older torch gives NaN, the torch of these tests +-448): every
+# store into a float8 KV cache clamps to +-448 itself first, so that it never depends on the cast.
+FP8_E4M3_MAX = 448.0
+
+
+def to_cache_dtype_ref(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x as the KV cache stores it: rounded to cache_dtype, saturating at +-448 for a float8 e4m3 cache
+    (kv_cache_dtype="fp8"; no scale factor, as vLLM's default k_scale = v_scale = 1). The one rule of the
+    references; the kernels' is cast_for_store."""
+    if cache_dtype == torch.float8_e4m3fn:
+        x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return x.to(cache_dtype)
+
+
 def store_kv_ref(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """k, v [T, Hk, D] into k_cache, v_cache [num_blocks, block_size, Hk, D] at flat slot
-    slot_mapping[t] = block * block_size + offset; a slot of -1 (padding) is skipped. In place."""
+    slot_mapping[t] = block * block_size + offset (converted by to_cache_dtype_ref); a slot of -1 (padding) is
+    skipped. In place."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[valid].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[valid].to(v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = to_cache_dtype_ref(k[valid], k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = to_cache_dtype_ref(v[valid], v_cache.dtype)
 
 
 def rotary_embedding_ref(
@@ -121,11 +137,21 @@ def rope_store_triton(qkv: torch.Tensor, rope: RopeStore) -> torch.Tensor:
 
 
 if triton is not None:
+    _FP8_E4M3_MAX = tl.constexpr(FP8_E4M3_MAX)
+
+    @triton.jit
+    def cast_for_store(x, dst_ptr):
+        """to_cache_dtype_ref in a kernel: x as dst_ptr's element type, clamped to +-448 first when that is float8
+        e4m3 (a KV cache of kv_cache_dtype="fp8"). The test is on types, at compile time: for any other type this
+        is the plain cast it replaces, and no code is added."""
+        if dst_ptr.dtype.element_ty == tl.float8e4nv:
+            x = tl.clamp(x.to(tl.float32), -_FP8_E4M3_MAX, _FP8_E4M3_MAX)
+        return x.to(dst_ptr.dtype.element_ty)
 
     # One program per token rotates all its heads of q and k; with (x1, x2) the halves of a head,
     # (cos, sin) = cos_sin_cache[position]:   x1' = x1*cos - x2*sin,   x2' = x2*cos + x1*sin   (in float32).
     # _rotate_heads reads the heads at src and writes them rotated at dst (dst = src: in place), rounded to
-    # src's dtype and then to dst's, as rotating k in place and then storing it would.
+    # src's dtype and then to dst's (cast_for_store), as rotating k in place and then storing it would.
     @triton.jit
     def _rotate_heads(
         src_ptr, src_stride_head, dst_ptr, dst_stride_head, num_heads, cos, sin,
@@ -140,8 +166,8 @@ if triton is not None:
         x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
         out1 = (x1 * cos - x2 * sin).to(src_ptr.dtype.element_ty)
         out2 = (x2 * cos + x1 * sin).to(src_ptr.dtype.element_ty)
-        tl.store(dst, out1.to(dst_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF, out2.to(dst_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst, cast_for_store(out1, dst_ptr), mask=mask)
+        tl.store(dst + HALF, cast_for_store(out2, dst_ptr), mask=mask)
 
     @triton.jit
     def _load_cos_sin(positions_ptr, cache_ptr, token, stride_cache, HALF: tl.constexpr):
@@ -177,7 +203,7 @@ if triton is not None:
             mask = heads < num_kv_heads
             v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
             v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + heads * stride_vch + dims
-            tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_dst, cast_for_store(v, v_cache_ptr), mask=mask)
 
 
 def rotary_embedding_and_store_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
