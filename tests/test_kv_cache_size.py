@@ -12,7 +12,8 @@ checkpoint = tiny_llama_fixture(seed=3)
 
 def pool(llm):
     core = llm.llm_engine.engine_core
-    return core.block_manager.num_blocks, core.model_runner.model.kv_cache_bytes_per_block(16, core.model_runner.dtype)
+    runner = core.model_runner
+    return core.block_manager.num_blocks, runner.model.kv_cache_bytes_per_block(16, runner.kv_cache_dtype)
 
 
 def test_kv_cache_memory_sets_the_pool(checkpoint):

@@ -265,6 +265,20 @@ def test_engine_greedy_outputs_equal_one_rank(checkpoints, name, async_schedulin
     assert two == one
 
 
+def test_fp8_kv_cache_with_two_ranks(checkpoints):
+    """kv_cache_dtype="fp8": each rank allocates its own float8 cache (of its KV heads); outputs as one rank's."""
+    from tinyvllm import SamplingParams
+
+    name = next(iter(CONFIGS))
+    prompts = [[(7 * i + j) % 200 + 2 for j in range(3 + 11 * i)] for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    kwargs = dict(skip_tokenizer_init=True, num_kv_blocks=32, block_size=16, max_num_batched_tokens=24,
+                  kv_cache_dtype="fp8")
+    one = engine_outputs(checkpoints[name], prompts, params, **kwargs)
+    two = engine_outputs(checkpoints[name], prompts, params, tensor_parallel_size=2, **kwargs)
+    assert two == one
+
+
 def test_embedded_model_with_three_ranks():
     """SmolLM2-135M has 9 query and 3 KV heads: 3 ranks split it, 2 cannot (and say so)."""
     from tinyvllm import LLM, SamplingParams

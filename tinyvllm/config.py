@@ -214,6 +214,16 @@ def check_tensor_parallel_size(config: ModelConfig, tensor_parallel_size: int, d
             raise ConfigError(f"tensor_parallel_size={size} needs {size} GPUs, but {available} are visible")
 
 
+# kv_cache_dtype's choices, as vLLM's --kv-cache-dtype names them -> the cache's torch dtype (None: the model's).
+# fp8 stores e4m3 with no scale factors (vLLM's default k_scale = v_scale = 1.0): a value is rounded to e4m3,
+# saturating at +-448 (ops/rotary.py's to_cache_dtype_ref), and the kernels read it back as the query's dtype.
+_KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4m3fn,
+                                                    "fp8_e4m3": torch.float8_e4m3fn}
+KV_CACHE_DTYPES = tuple(_KV_CACHE_DTYPES)
+# Triton's float8e4nv (the kernels' e4m3) needs Ada or Hopper: compute capability 8.9 or more.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
 def _arg(default: Any, help: str, **cli: Any) -> Any:
     """A field of EngineConfig with what the command line needs to offer it (help, type, choices, aliases):
     the CLI's engine flags are generated from these, so each default is written once."""
@@ -239,6 +249,9 @@ class EngineConfig:
     kv_cache_memory: str | None = _arg(None, "memory for the KV cache, in bytes or with a unit (4GiB, 512MiB); "
                                              "none: on a GPU what gpu_memory_utilization leaves, on the CPU a "
                                              "tenth of the available memory", type=str)
+    kv_cache_dtype: str = _arg("auto", "KV cache storage: auto is the model's dtype; fp8 (or fp8_e4m3) is float8 e4m3 "
+                                       "without scale factors, half the bytes of bf16 (on a GPU: sm_89 or newer)",
+                               choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = _arg(True, "reuse the KV cache of prompt prefixes computed before")
     enforce_eager: bool = _arg(False, "no CUDA graphs")
     cascade_attention: bool = _arg(True, "decode steps whose sequences share a cached prefix read its KV once for "
@@ -273,6 +286,9 @@ class EngineConfig:
             raise ConfigError(f"num_kv_blocks must be at least 1, not {self.num_kv_blocks}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be a positive integer, not {self.tensor_parallel_size!r}")
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                              f"not {self.kv_cache_dtype!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -304,13 +320,22 @@ class EngineConfig:
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        elif self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("device='cuda' was asked for but torch sees no CUDA GPU")
-        return torch.device(self.device)
+        else:
+            device = torch.device(self.device)
+        if device.type == "cuda" and _KV_CACHE_DTYPES[self.kv_cache_dtype] is not None:
+            check_fp8_capability(torch.cuda.get_device_capability(device), self.kv_cache_dtype)
+        return device
 
     def resolve_async_scheduling(self, device: torch.device) -> bool:
         return device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
+
+    def resolve_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype for a model run in `dtype`: that dtype for "auto", float8 e4m3 for "fp8"."""
+        cache_dtype = _KV_CACHE_DTYPES[self.kv_cache_dtype]
+        return dtype if cache_dtype is None else cache_dtype
 
     def resolve_dtype(self, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
         """'auto' is float32 on the CPU and the checkpoint's half type (bf16 if it has none) on a GPU."""
@@ -323,6 +348,14 @@ class EngineConfig:
         if self.dtype not in names:
             raise ConfigError(f"dtype must be one of auto, {', '.join(names)}; not {self.dtype!r}")
         return names[self.dtype]
+
+
+def check_fp8_capability(capability: tuple[int, int], kv_cache_dtype: str = "fp8") -> None:
+    """Raise ConfigError unless a GPU of this compute capability runs the float8 KV cache's kernels."""
+    if tuple(capability) < FP8_MIN_CAPABILITY:
+        major, minor = capability
+        raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU of compute capability 8.9 or newer (Ada, "
+                          f"Hopper) for Triton's float8 e4m3; this one is {major}.{minor}: use kv_cache_dtype='auto'")
 
 
 def _unknown_argument(name: str, known: list[str]) -> str:

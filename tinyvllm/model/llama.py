@@ -252,13 +252,15 @@ class LlamaForCausalLM(nn.Module):
         return [split(c.intermediate_size)] * 2
 
     def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        """K and V of every layer for one block of tokens, on this rank (its share of the KV heads)."""
+        """K and V of every layer for one block of tokens, on this rank (its share of the KV heads), in the cache's
+        dtype (float8 e4m3 for kv_cache_dtype="fp8": a byte an element)."""
         attn = self.model.layers[0].self_attn
         return 2 * len(self.model.layers) * block_size * attn.num_kv_heads * attn.head_dim * dtype.itemsize
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Give every layer its K and V pools, [num_blocks, block_size, kv_heads, head_dim] each (num_blocks=0:
-        drop them, to measure memory without them)."""
+        """Give every layer its K and V pools, [num_blocks, block_size, kv_heads, head_dim] each, in `dtype` (the
+        model's, or float8 e4m3: the ops convert on store and load); num_blocks=0: drop them, to measure memory
+        without them."""
         for layer in self.model.layers:
             attn = layer.self_attn
             shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)

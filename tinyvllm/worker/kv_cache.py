@@ -3,7 +3,8 @@
 kv_cache_memory, when given, is the cache's size. Otherwise, on CUDA, the largest step the scheduler can
 produce is run once to measure its peak activations, and the cache gets whatever gpu_memory_utilization
 leaves after the weights and that peak; on the CPU, a tenth of the memory available now. Never more than
-max_num_seqs sequences of max_model_len tokens can use."""
+max_num_seqs sequences of max_model_len tokens can use. Blocks are sized in the cache's dtype (cache_dtype: the
+model's, or float8 e4m3 for kv_cache_dtype="fp8"), so a float8 cache gets twice the blocks of a bf16 one."""
 
 from __future__ import annotations
 
@@ -24,11 +25,11 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
 
 
-def decide_num_blocks(model: torch.nn.Module, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+def decide_num_blocks(model: torch.nn.Module, config: EngineConfig, device: torch.device, cache_dtype: torch.dtype,
                       max_blocks_per_seq: int, tp: TensorParallel) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    bytes_per_block = model.kv_cache_bytes_per_block(config.block_size, dtype)
+    bytes_per_block = model.kv_cache_bytes_per_block(config.block_size, cache_dtype)
     enough = config.max_num_seqs * max_blocks_per_seq  # more is never used
     budget = config.kv_cache_memory_bytes()
     if budget is not None:
@@ -36,7 +37,7 @@ def decide_num_blocks(model: torch.nn.Module, config: EngineConfig, device: torc
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} holds no block of {bytes_per_block} bytes")
     elif device.type == "cuda":
-        num_blocks = min(enough, _profile_num_blocks(model, config, device, dtype, max_blocks_per_seq))
+        num_blocks = min(enough, _profile_num_blocks(model, config, device, cache_dtype, max_blocks_per_seq))
     else:
         num_blocks = max(1, min(enough, _available_memory() // 10 // bytes_per_block))
     if tp.size > 1:  # every rank holds the same blocks (of its heads): the least any rank can hold
@@ -59,13 +60,13 @@ def _available_memory() -> int:
 
 
 @torch.inference_mode()
-def _profile_num_blocks(model: torch.nn.Module, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+def _profile_num_blocks(model: torch.nn.Module, config: EngineConfig, device: torch.device, cache_dtype: torch.dtype,
                         max_blocks_per_seq: int) -> int:
     bs = config.block_size
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     num_tokens = config.max_num_batched_tokens
-    model.allocate_kv_cache(blocks_needed(num_tokens, bs), bs, dtype, device)
+    model.allocate_kv_cache(blocks_needed(num_tokens, bs), bs, cache_dtype, device)  # (the step's own kernels run)
     seq_len = min(num_tokens, max_blocks_per_seq * bs)
     num_seqs = (num_tokens + seq_len - 1) // seq_len
     lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
@@ -85,14 +86,14 @@ def _profile_num_blocks(model: torch.nn.Module, config: EngineConfig, device: to
     model.compute_logits(hidden[: min(num_tokens, config.max_num_seqs)])
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated(device)
-    model.allocate_kv_cache(0, bs, dtype, device)
+    model.allocate_kv_cache(0, bs, cache_dtype, device)
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
     # Memory other processes (and the CUDA context) hold counts against us too.
     free_now, _ = torch.cuda.mem_get_info(device)
     used_by_others = total - free_now - torch.cuda.memory_reserved(device)
     available = total * config.gpu_memory_utilization - peak - max(used_by_others, 0)
-    bytes_per_block = model.kv_cache_bytes_per_block(bs, dtype)
+    bytes_per_block = model.kv_cache_bytes_per_block(bs, cache_dtype)
     num_blocks = int(available // bytes_per_block)
     if num_blocks < 1:
         raise ValueError(

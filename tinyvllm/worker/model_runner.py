@@ -82,8 +82,10 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
         self.sampler = Sampler(model_config.vocab_size, device)
-        self.num_blocks = decide_num_blocks(model, config, device, dtype, self.max_blocks_per_seq, tp)
-        model.allocate_kv_cache(self.num_blocks, self.block_size, dtype, device)
+        # The model's dtype, or float8 e4m3 (kv_cache_dtype="fp8": half the bytes per block, twice the blocks)
+        self.kv_cache_dtype = config.resolve_kv_cache_dtype(dtype)
+        self.num_blocks = decide_num_blocks(model, config, device, self.kv_cache_dtype, self.max_blocks_per_seq, tp)
+        model.allocate_kv_cache(self.num_blocks, self.block_size, self.kv_cache_dtype, device)
         self.input_batch = InputBatch(2 * config.max_num_seqs, self.max_blocks_per_seq)
         self._staging = Staging(device)
         self._last_output: AsyncModelRunnerOutput | None = None  # the step before: its tokens may be in flight
