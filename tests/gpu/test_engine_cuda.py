@@ -10,7 +10,9 @@
    paths round differently and random weights give near-ties, so a flip is expected somewhere: identical
    tokens pass, different ones are reported as xfail with the common prefix lengths, not judged;
 3. greedy generation of requests sharing a cached prefix with cascade attention on and off (CUDA graphs on):
-   the same tokens in float32, and in bfloat16 reported as above.
+   the same tokens in float32, and in bfloat16 reported as above;
+4. kv_cache_dtype="fp8": float8 caches, the same greedy tokens with CUDA graphs as eager (float32; bfloat16
+   reported as above), and about twice the blocks of a bf16 cache at the same gpu_memory_utilization.
 
     python -m pytest -m cuda tests/gpu/test_engine_cuda.py -ra      (on a GPU machine; skipped elsewhere)
 """
@@ -379,3 +381,64 @@ def test_cascade_attention_greedy_same_on_and_off(cascade_runs: dict, dtype: str
         assert same, f"greedy {NUM_TOKENS} tokens in float32, cascade attention on != off: {detail}"
     elif not same:
         pytest.xfail(f"bf16 greedy, cascade attention on vs off (a flip at a near-tie is expected): {detail}")
+
+
+# ------------------------------------------------------------------------------------------ float8 KV cache
+
+# One greedy run with a given kv_cache_dtype, in a fresh process; prints RESULT and JSON: the tokens, the cache's
+# dtype and blocks, and whether CUDA graphs were captured.
+GENERATE_KV = r"""
+import json, sys
+from tinyvllm import LLM, SamplingParams
+path, dtype, kv_cache_dtype, enforce_eager, num_tokens, prompts, engine_args = json.loads(sys.argv[1])
+llm = LLM(path, dtype=dtype, kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager, **engine_args)
+runner = llm.llm_engine.engine_core.model_runner
+attn = runner.model.model.layers[0].self_attn
+tokens = []
+if num_tokens:
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+    tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+print("RESULT" + json.dumps(dict(tokens=tokens, cache_dtype=str(attn.k_cache.dtype), num_blocks=runner.num_blocks,
+                                 cuda_graphs=runner.cuda_graphs is not None)))
+"""
+# The pool sized from the GPU's memory, not capped by max_num_seqs x max_model_len (1024 x 2048 tokens: 131,072
+# blocks, more than 20% of an H100 holds for this model in either dtype).
+CAPACITY_ARGS = dict(skip_tokenizer_init=True, max_model_len=2048, gpu_memory_utilization=0.2, max_num_seqs=1024)
+
+
+def kv_run(llama_1b: str, dtype: str, kv_cache_dtype: str, eager: bool, num_tokens: int = NUM_TOKENS,
+           engine_args: dict | None = None) -> dict[str, Any]:
+    free_gpu_memory()
+    result = run_python(GENERATE_KV, [llama_1b, dtype, kv_cache_dtype, eager, num_tokens, PROMPTS,
+                                      engine_args or ENGINE_ARGS], dict(os.environ), 600)
+    if isinstance(result, str):
+        pytest.fail(f"run with kv_cache_dtype={kv_cache_dtype} ({dtype}, {'eager' if eager else 'graphs'}) failed:\n"
+                    f"{result}")
+    return result
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_kv_cache_same_tokens_with_cuda_graphs_and_eager(llama_1b: str, dtype: str) -> None:
+    """kv_cache_dtype="fp8": the caches are float8 e4m3; CUDA graphs (decode and piecewise, capturing the float8
+    caches) give the tokens of eager steps: in float32 the same, in bfloat16 a flip at a near-tie is reported."""
+    graphs = kv_run(llama_1b, dtype, "fp8", eager=False)
+    eager = kv_run(llama_1b, dtype, "fp8", eager=True)
+    for name, run in (("graphs", graphs), ("eager", eager)):
+        assert run["cache_dtype"] == "torch.float8_e4m3fn", f"{name}: the cache is {run['cache_dtype']}"
+        assert [len(t) for t in run["tokens"]] == [NUM_TOKENS] * len(PROMPTS), name
+    assert graphs["cuda_graphs"] and not eager["cuda_graphs"]
+    same, detail = agreement(graphs["tokens"], eager["tokens"])
+    if dtype == "float32":
+        assert same, f"greedy {NUM_TOKENS} tokens in float32 with an fp8 cache: graphs != eager: {detail}"
+    elif not same:
+        pytest.xfail(f"bf16 greedy with an fp8 cache, graphs vs eager (a flip at a near-tie is expected): {detail}")
+
+
+def test_fp8_kv_cache_holds_twice_the_blocks(llama_1b: str) -> None:
+    """At the same gpu_memory_utilization a float8 cache gets about twice the blocks of a bf16 one (a little more:
+    the profiling step's own cache is half as big too)."""
+    auto = kv_run(llama_1b, "bfloat16", "auto", eager=True, num_tokens=0, engine_args=CAPACITY_ARGS)
+    fp8 = kv_run(llama_1b, "bfloat16", "fp8", eager=True, num_tokens=0, engine_args=CAPACITY_ARGS)
+    assert auto["cache_dtype"] == "torch.bfloat16" and fp8["cache_dtype"] == "torch.float8_e4m3fn"
+    ratio = fp8["num_blocks"] / auto["num_blocks"]
+    assert 1.95 <= ratio <= 2.1, f"blocks: fp8 {fp8['num_blocks']}, bf16 {auto['num_blocks']} (x{ratio:.3f})"

@@ -2,7 +2,8 @@
 32 query / 8 KV heads of dim 64, MLP 8192, vocabulary 128256, block size 16), in bfloat16 and float32, on fresh
 random inputs. The reference runs in float32 on the same (rounded) inputs; the error is ||out - ref|| / ||ref||,
 against 1e-2 for bfloat16 and 1e-5 for float32. Outputs the kernels allocate are poisoned with NaN (or -1 for
-integers), so an unwritten element fails.
+integers), so an unwritten element fails. The kernels that read or write the KV cache are checked with float8 e4m3
+caches too (kv_cache_dtype="fp8", at the end).
 
     python -m pytest -m cuda tests/gpu/test_kernels_cuda.py      (on a GPU machine; skipped elsewhere)
 """
@@ -48,6 +49,7 @@ from tinyvllm.ops.rotary import (  # noqa: E402
     build_cos_sin_cache,
     rotary_embedding_and_store_ref,
     rotary_embedding_and_store_triton,
+    to_cache_dtype_ref,
 )
 from tinyvllm.ops.sampling import _exponential, sample_triton  # noqa: E402
 
@@ -806,3 +808,134 @@ def test_race_noise_with_lg2_approx() -> None:
     expected = -torch.log1p(-(2**32 - 1 - r.double() + 0.5) / 2**32)
     error = ((out.double() - expected) / expected).abs()
     assert float(error.max()) < 3e-6, f"seed {seed}: r={r[error.argmax()].item()} relative error {float(error.max())}"
+
+
+# ------------------------------------------------------------------------------------------ float8 KV cache
+# kv_cache_dtype="fp8": the caches in float8 e4m3 (sm_89+). Attention reads them as the query's dtype, exactly, so
+# against the float32 reference on the same float8 values it is held to the query dtype's tolerance. The stores
+# round to e4m3 (saturating at +-448): checked against the reference's rule (to_cache_dtype_ref) applied to the
+# float32 reference's values rounded to the activations' dtype, bit for bit but for values on a rounding boundary.
+# (The references read the float8 caches through .float() copies, and the tests index their bytes (uint8 views):
+# no float8 indexing on the GPU, which older torch lacks.)
+
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_cache_slots(tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """random_cache_slots with float8 caches (randn rounded to e4m3)."""
+    k_cache, v_cache, slots = random_cache_slots(tokens, torch.float32)
+    return k_cache.to(FP8), v_cache.to(FP8), slots
+
+
+def stored_bytes(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """[2, slots, heads, head_dim] uint8: the bytes of float8 K and V caches, slot by slot (to index on any torch)."""
+    return torch.stack([k_cache.view(torch.uint8), v_cache.view(torch.uint8)]).flatten(1, 2)
+
+
+def assert_fp8_close(what: str, out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Two float8 e4m3 tensors: at least 99% bit for bit, the rest within one e4m3 step (1/8 of the value, or the
+    least subnormal), none NaN."""
+    assert out.dtype == ref.dtype == FP8
+    assert not out.float().isnan().any(), f"{what}: NaN stored"
+    same = float((out.view(torch.uint8) == ref.view(torch.uint8)).float().mean())
+    assert same >= 0.99, f"{what}: only {same:.2%} of the stored values are the reference's"
+    torch.testing.assert_close(out.float(), ref.float(), atol=2.0**-9, rtol=0.125, msg=what)
+
+
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_paged_attention_fp8_cache(case: str) -> None:
+    dtype = torch.bfloat16
+    q, k_cache, v_cache, meta = case_batch(ATTENTION_CASES[case](), lambda query_lens, context_lens, **spec:
+                                           paged_batch(query_lens, context_lens, dtype, **spec))
+    k_cache, v_cache = k_cache.to(FP8), v_cache.to(FP8)  # (NaN stays NaN)
+    scale = q.shape[-1] ** -0.5
+    out = poisoned(paged_attention_triton, q, k_cache, v_cache, meta, scale)
+    ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+    path = "decode" if meta.is_decode else "prefill"
+    assert_close(f"attention ({path} path) {case}, fp8 cache", out, ref, dtype)
+
+
+@pytest.mark.parametrize("case", list(CASCADE_CASES))
+def test_cascade_attention_fp8_cache(case: str) -> None:
+    dtype = torch.bfloat16
+    q, k_cache, v_cache, meta = case_batch(CASCADE_CASES[case](), lambda **spec: shared_prefix_batch(dtype=dtype,
+                                                                                                      **spec))
+    k_cache, v_cache = k_cache.to(FP8), v_cache.to(FP8)
+    scale = q.shape[-1] ** -0.5
+    out = poisoned(cascade_attention_triton, q, k_cache, v_cache, meta, scale)
+    ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), without_prefix(meta), scale)
+    assert_close(f"cascade attention {case}, fp8 cache", out, ref, dtype)
+    plain = paged_attention_triton(q, k_cache, v_cache, without_prefix(meta), scale)
+    assert_close(f"cascade attention {case}, fp8 cache, vs the plain kernel", out, plain, dtype)
+
+
+def test_decode_attention_fp8_cache_in_cuda_graph() -> None:
+    """Decode attention on a float8 cache captured in a CUDA graph, replayed on new q and new cache contents."""
+    q, k_cache, v_cache, meta = paged_batch([1] * 32, rand_lens(32, 1, 4096), torch.bfloat16)
+    k_cache, v_cache = k_cache.to(FP8), v_cache.to(FP8)
+    meta.max_context_len = 4096
+    scale = HEAD_DIM**-0.5
+    graph, out = captured(lambda: paged_attention_triton(q, k_cache, v_cache, meta, scale))
+    q.copy_(torch.randn_like(q))
+    owned = ~k_cache.float().isnan()
+    k_cache.copy_(torch.where(owned, torch.randn(k_cache.shape, device=DEVICE), float("nan")).to(FP8))
+    graph.replay()
+    ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+    assert_close("decode attention, fp8 cache, CUDA graph replay", out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("magnitude", [1.0, 1000.0], ids=["randn", "beyond-448"])
+@pytest.mark.parametrize("tokens", TOKEN_COUNTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_embedding_and_store_fp8_cache(dtype: torch.dtype, tokens: int, magnitude: float,
+                                              cos_sin_cache: torch.Tensor) -> None:
+    """The RoPE + KV store into float8 caches: the rotated k and v as the reference stores them (beyond +-448:
+    +-448, no NaN), q as with any cache, the other slots untouched."""
+    k_cache, v_cache, slots = fp8_cache_slots(tokens)
+    qkv = (magnitude * torch.randn(tokens, (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, device=DEVICE)).to(dtype)
+    q, k, v = qkv.split([NUM_Q_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM], dim=-1)
+    q, k, v = (x.view(tokens, -1, HEAD_DIM) for x in (q, k, v))
+    positions = torch.randint(0, 131072, (tokens,), device=DEVICE)
+    ref_k, ref_v = k_cache.float(), v_cache.float()  # (float32 caches: the reference's values before the rounding)
+    ref_q = rotary_embedding_and_store_ref(positions, q.float(), k.float(), v.float(), cos_sin_cache, ref_k, ref_v,
+                                           slots)
+    original = stored_bytes(k_cache, v_cache)
+    rotary_embedding_and_store_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slots)
+    name = f"rotary_embedding_and_store into fp8 T={tokens} {short(dtype)} x{magnitude:g}"
+    assert_close(f"{name} (q)", q, ref_q, dtype)
+    written = torch.zeros(k_cache.shape[0] * BLOCK_SIZE, dtype=torch.bool, device=DEVICE)
+    written[slots[slots >= 0]] = True
+    stored = stored_bytes(k_cache, v_cache)
+    expected = to_cache_dtype_ref(torch.stack([ref_k, ref_v]).flatten(1, 2)[:, written].to(dtype), FP8)
+    assert_fp8_close(name, stored[:, written].view(FP8), expected)
+    assert torch.equal(stored[1, written], expected[1].view(torch.uint8)), f"{name}: V differs (v is not rotated)"
+    if magnitude > 448:
+        saturated = float((stored[:, written].view(FP8).float().abs() == 448).float().mean())
+        assert saturated > 0.5, f"{name}: only {saturated:.0%} of 1000 * randn stored as +-448"
+    assert torch.equal(stored[:, ~written], original[:, ~written]), f"{name}: a slot not in slot_mapping changed"
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 16])
+def test_fused_qkv_rope_store_fp8_cache(m: int, cos_sin_cache: torch.Tensor) -> None:
+    """qkv with the RoPE + KV-store epilogue into float8 caches (the GEMV up to GEMV_MAX_ROWS rows, the tiled
+    kernel then rotary.py's above): y as with any cache, the stored slots as the reference rounds them."""
+    dtype = torch.bfloat16
+    generator, seed = fresh_generator()
+    n, k = FUSED_SHAPES["qkv"]
+    w = rand(n, k, generator=generator, dtype=dtype)
+    x, residual = rand(m, k, generator=generator, dtype=dtype), rand(m, k, generator=generator, dtype=dtype)
+    norm_weight = 1 + 0.1 * rand(k, generator=generator, dtype=dtype)
+    k_cache, v_cache, slots = fp8_cache_slots(m)
+    positions = torch.randint(0, 131072, (m,), device=DEVICE, generator=generator)
+    ref_caches = torch.stack([k_cache.float(), v_cache.float()])
+    rope = RopeStore(positions, cos_sin_cache, k_cache, v_cache, slots, NUM_Q_HEADS, NUM_KV_HEADS)
+    y, _ = poisoned(lambda: fused_norm_linear_triton(x, residual, norm_weight, EPS, w, rope=rope))
+    ref, _ = fused_norm_linear_ref(x.float(), residual.float(), norm_weight.float(), EPS, w.float(),
+                                   rope=rope._replace(k_cache=ref_caches[0], v_cache=ref_caches[1]))
+    what = f"qkv + RoPE + KV store into fp8 M={m} (seed {seed})"
+    assert_close(what, y, ref, dtype)
+    written = torch.zeros(k_cache.shape[0] * BLOCK_SIZE, dtype=torch.bool, device=DEVICE)
+    written[slots[slots >= 0]] = True
+    expected = to_cache_dtype_ref(ref_caches.flatten(1, 2)[:, written].to(dtype), FP8)
+    # (the product's bf16 rounding may differ from the reference's by a bf16 step: a few e4m3 roundings with it)
+    assert_fp8_close(what + " K/V cache", stored_bytes(k_cache, v_cache)[:, written].view(FP8), expected)
