@@ -26,6 +26,7 @@
   times the GEMV's other tiles, warps and register caps at M = 1.
 
     python benchmarks/bench_kernels.py [--quick] [--sweep [prefill|decode|rms_norm] [--sweep-only]]
+    python benchmarks/bench_kernels.py --kv-cache-dtype fp8 [--quick]   (decode attention alone: float8 vs bf16 caches)
     python benchmarks/bench_kernels.py --gemv [--gemv-sweep]
     python benchmarks/bench_kernels.py --cascade [--sweep cascade]
     python benchmarks/bench_kernels.py --fused [--batches 1,2,4,8] [--sweep]
@@ -121,6 +122,8 @@ ELEMENTWISE_TOKENS = 16384  # 16384 x 2048 bf16 = 64 MiB per activation
 COPY_ELEMENTS = 2**30  # 2 GiB of bf16
 
 QUICK = False
+# --kv-cache-dtype fp8: the decode attention table reads float8 e4m3 caches (kv_cache_dtype="fp8")
+KV_CACHE_FP8 = False
 
 
 def bench(fn: Callable[[], object]) -> float:
@@ -242,6 +245,9 @@ def bench_prefill(table: Table) -> None:
 
 
 def bench_decode(table: Table, ceiling: float) -> None:
+    """Ours against SDPA flash on contiguous KV; with --kv-cache-dtype fp8, ours on float8 caches against ours on
+    bf16 caches of the same values (both in GB/s of the bf16 K+V they stand for, so ours/peer is the speedup; the
+    copy-ceiling column is left out, since the float8 kernel reads half those bytes)."""
     scale = HEAD_DIM**-0.5
     batches, contexts = DECODE_BATCHES, DECODE_CONTEXTS
     if QUICK:
@@ -265,9 +271,17 @@ def bench_decode(table: Table, ceiling: float) -> None:
                 for q, k_cache, v_cache, meta, _, _ in sets:
                     paged_attention_triton(q, k_cache, v_cache, meta, scale)
 
-            gbps = kv_bytes / bench_graph(ours, copies) / 1e6
             splits = decode_num_splits(batch, NUM_KV_HEADS, context)
             case = f"decode B={batch} ctx={context} ({kv_bytes / 2**20:.0f} MiB KV, {splits} splits)"
+            if KV_CACHE_FP8:
+                fp8_sets = [(q, k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn), meta, None, None)
+                            for q, k, v, meta, _, _ in sets]
+                fp8_gbps = kv_bytes / bench_graph(lambda fp8_sets=fp8_sets: ours(fp8_sets), copies) / 1e6
+                table.add(case.replace("KV,", "bf16 KV as fp8,"), fp8_gbps, "tinyvllm, bf16 cache",
+                          kv_bytes / bench_graph(ours, copies) / 1e6)
+                del sets, fp8_sets
+                continue
+            gbps = kv_bytes / bench_graph(ours, copies) / 1e6
             peers = [sdpa(SDPBackend.FLASH_ATTENTION, s[0].unsqueeze(2), s[4], s[5], causal=False) for s in sets]
             if peers[0] is None:
                 table.add(case, gbps, "SDPA flash (not available)", None, ceiling)
@@ -1201,7 +1215,7 @@ def run_fused(sweep_tiles: bool) -> int:
 
 
 def main() -> int:
-    global QUICK, FUSED_BATCHES
+    global QUICK, FUSED_BATCHES, KV_CACHE_FP8
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer decode shapes, shorter timing runs")
     parser.add_argument("--sweep", nargs="?", const="all", choices=("all", "prefill", "decode", "rms_norm", "cascade"),
@@ -1212,10 +1226,13 @@ def main() -> int:
     parser.add_argument("--cascade", action="store_true", help="the cascade attention section alone (check + table)")
     parser.add_argument("--fused", action="store_true", help="the fused decode kernels alone (check + table)")
     parser.add_argument("--sampling", action="store_true", help="the sampling table alone")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
+                        help="fp8: the decode attention table alone, on float8 e4m3 caches against ours on bf16 caches")
     parser.add_argument("--batches", type=lambda text: [int(m) for m in text.split(",")], default=GEMV_BATCHES,
                         help="with --fused: the row counts M (default 1,2,4,8,16,32,64)")
     args = parser.parse_args()
     QUICK = args.quick
+    KV_CACHE_FP8 = args.kv_cache_dtype != "auto"
     FUSED_BATCHES = args.batches
     if not torch.cuda.is_available():
         print("benchmarks/bench_kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -1239,6 +1256,12 @@ def main() -> int:
     ceiling = copy_ceiling()
     print(f"device-to-device copy (2 GiB): {ceiling:.0f} GB/s (read + written)", flush=True)
 
+    if KV_CACHE_FP8:  # (the decode table alone)
+        decode = Table("Decode attention on float8 e4m3 caches (GB/s of the bf16 K+V they stand for; CUDA graphs, "
+                       "inputs rotated past L2)", "GB/s")
+        bench_decode(decode, ceiling)
+        decode.print()
+        return 0
     prefill = Table("Prefill attention (TFLOP/s, causal FLOPs = 4*Hq*D*sum(L^2)/2)", "TFLOP/s")
     bench_prefill(prefill)
     decode = Table("Decode attention (GB/s of K+V attended; CUDA graphs, inputs rotated past L2)", "GB/s")

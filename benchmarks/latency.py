@@ -163,6 +163,8 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-async-scheduling", action="store_true", help="launch each step after the last ends")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks, one GPU each (issue 7)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="auto (the model's dtype) or fp8 (float8 e4m3, sm_89+: half the KV bytes of bf16)")
     parser.add_argument("--no-step-gpu-time", action="store_true",
                         help="time the breakdown's steps on the host only (on a GPU each step is also timed by CUDA "
                              "events, which adds a little host time to its launch)")
@@ -181,7 +183,8 @@ def main() -> None:
 
     llm = LLM(path, skip_tokenizer_init=True, enforce_eager=args.enforce_eager, max_model_len=4096,
               gpu_memory_utilization=0.5, async_scheduling=not args.no_async_scheduling,
-              tensor_parallel_size=args.tensor_parallel_size, **({"device": "cpu"} if args.small else {}))
+              tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
+              **({"device": "cpu"} if args.small else {}))
     try:
         ours = run_latency(llm, args.prompt_len, args.output_len)
         breakdown, decode_steps = step_breakdown(llm, args.prompt_len, args.output_len,
@@ -192,11 +195,13 @@ def main() -> None:
     prompt = [(1000 + i) % vocab_size for i in range(args.prompt_len)]  # (the 1B's: 1000, 1001, ...)
     del llm
     result = {"commit": commit(), "gpu": gpu_name(), "ours": ours, "step_breakdown_ms": breakdown,
-              "step_breakdown_decode_steps": decode_steps, "tensor_parallel_size": args.tensor_parallel_size}
+              "step_breakdown_decode_steps": decode_steps, "tensor_parallel_size": args.tensor_parallel_size,
+              "kv_cache_dtype": args.kv_cache_dtype}
     print(f"latency-b1 on {result['gpu']} at {result['commit']} ({args.prompt_len} prompt, {args.output_len} output)")
     mode = ", ".join(m for m, on in (("eager", args.enforce_eager), ("sync", args.no_async_scheduling),
                                      (f"tensor_parallel_size {args.tensor_parallel_size}",
-                                      args.tensor_parallel_size > 1)) if on)
+                                      args.tensor_parallel_size > 1),
+                                     (f"kv_cache_dtype {args.kv_cache_dtype}", args.kv_cache_dtype != "auto")) if on)
     floor = "" if args.small else f", {FLOOR_MS / ours['tpot_ms_median']:.0%} of the {FLOOR_MS} ms bandwidth floor"
     print(f"  (TTFT: the median of {ours['ttft_samples']} requests, one at a time, for tinyvllm; of 5 for "
           "transformers)")
