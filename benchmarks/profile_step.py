@@ -168,6 +168,18 @@ def prompt_breakdown(path: str, prompt_len: int, reps: int = 10) -> dict:
             "kernels_us": dict(per_kernel)}
 
 
+def trace_events(prof) -> list[dict]:
+    """A torch.profiler run's events as its Chrome trace has them (with the runtime calls' correlation ids)."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            return json.load(f)["traceEvents"]
+
+
 def request_windows(events: list[dict], samples: int) -> tuple[list[dict], dict[str, list[float]]]:
     """prompt_timeline's trace cut into its requests, each between two cudaStreamQuery markers: per request its
     times (us), and the durations of the runtime calls made in it by name."""
@@ -202,9 +214,7 @@ def prompt_timeline(path: str, prompt_len: int, samples: int = 8) -> dict:
     LLMEngine.step. Per request: the host's time before the first kernel starts, the GPU's span and busy time up
     to the first token (the lookahead step's kernels, launched meanwhile, are left out), the wait from the GPU's
     end to the token on the host, and from there to the token out of step(); and the runtime calls by time."""
-    import os
     import random
-    import tempfile
     import time
 
     import torch
@@ -240,11 +250,7 @@ def prompt_timeline(path: str, prompt_len: int, samples: int = 8) -> dict:
             sample(i, marks)
             torch.cuda.current_stream().query()  # (and its end, the first token out of step())
         torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(trace)
-        with open(trace) as f:
-            events = json.load(f)["traceEvents"]
+    events = trace_events(prof)
     del llm, engine
     torch.cuda.empty_cache()
     rows, slow_calls = request_windows(events, samples)
@@ -281,8 +287,6 @@ def engine_timeline(path: str, batch: int = 1, context: int = 128, steps: int = 
     """The GPU timeline of `steps` engine steps (graphs, async scheduling, greedy), from torch.profiler's
     trace: device work is matched to the API call that launched it by correlation id, so a kernel is the
     graph's when a cudaGraphLaunch launched it. A step runs from one graph's first kernel to the next's."""
-    import os
-    import tempfile
 
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -298,11 +302,7 @@ def engine_timeline(path: str, batch: int = 1, context: int = 128, steps: int = 
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(trace)
-        with open(trace) as f:
-            events = json.load(f)["traceEvents"]
+    events = trace_events(prof)
     del llm, engine
     torch.cuda.empty_cache()
     launcher = {e["args"]["correlation"]: e["name"] for e in events

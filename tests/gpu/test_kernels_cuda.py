@@ -476,14 +476,24 @@ CASCADE_CASES: dict[str, Callable[[], dict]] = {
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cascade_attention(dtype: torch.dtype, case: str) -> None:
     """Cascade attention against the float32 reference, and against the plain paged kernel."""
+    check_cascade_attention(case, dtype, None)
+
+
+def check_cascade_attention(case: str, dtype: torch.dtype, cache_dtype: torch.dtype | None) -> None:
+    """CASCADE_CASES[case] in `dtype` (its caches converted to cache_dtype, if given), through cascade attention:
+    against the float32 reference on the same caches, and against the plain paged kernel."""
     q, k_cache, v_cache, meta = case_batch(CASCADE_CASES[case](), lambda **spec: shared_prefix_batch(dtype=dtype,
                                                                                                       **spec))
+    label = f"cascade attention {case} {short(dtype)}"
+    if cache_dtype is not None:
+        k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+        label += f", {cache_dtype} cache"
     scale = q.shape[-1] ** -0.5
     out = poisoned(cascade_attention_triton, q, k_cache, v_cache, meta, scale)
     ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), without_prefix(meta), scale)
-    assert_close(f"cascade attention {case} {short(dtype)}", out, ref, dtype)
+    assert_close(label, out, ref, dtype)
     plain = paged_attention_triton(q, k_cache, v_cache, without_prefix(meta), scale)
-    assert_close(f"cascade attention {case} {short(dtype)} vs the plain kernel", out, plain, dtype)
+    assert_close(f"{label} vs the plain kernel", out, plain, dtype)
 
 
 def test_cascade_attention_in_cuda_graph() -> None:
@@ -857,16 +867,7 @@ def test_paged_attention_fp8_cache(case: str) -> None:
 
 @pytest.mark.parametrize("case", list(CASCADE_CASES))
 def test_cascade_attention_fp8_cache(case: str) -> None:
-    dtype = torch.bfloat16
-    q, k_cache, v_cache, meta = case_batch(CASCADE_CASES[case](), lambda **spec: shared_prefix_batch(dtype=dtype,
-                                                                                                      **spec))
-    k_cache, v_cache = k_cache.to(FP8), v_cache.to(FP8)
-    scale = q.shape[-1] ** -0.5
-    out = poisoned(cascade_attention_triton, q, k_cache, v_cache, meta, scale)
-    ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), without_prefix(meta), scale)
-    assert_close(f"cascade attention {case}, fp8 cache", out, ref, dtype)
-    plain = paged_attention_triton(q, k_cache, v_cache, without_prefix(meta), scale)
-    assert_close(f"cascade attention {case}, fp8 cache, vs the plain kernel", out, plain, dtype)
+    check_cascade_attention(case, torch.bfloat16, FP8)
 
 
 def test_decode_attention_fp8_cache_in_cuda_graph() -> None:
