@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU and its own CUDA torch (no setup here: run it with the python that has them):
 # the GPU tests, then the benchmarks, each part under a time limit so that one that hangs cannot take the rest.
-# Parts: tests, latency, throughput, shared-prefix, serve, serve-floor (default: all, in that order), e.g.
+# Parts: tests, latency, throughput, shared-prefix, serve, serve-floor (default: all, in that order), and
+# throughput-fp8 (throughput-256 with kv_cache_dtype="fp8": run it beside throughput to compare), e.g.
 #     bash scripts/gpu_check.sh tests latency
-# PYTHON picks the interpreter (default python3); LIMIT_S the seconds per part (default 300, and 540 for the tests:
-# on an H100 the 209 GPU tests took more than 280 s).
+# PYTHON picks the interpreter (default python3); LIMIT_S the seconds per part (default 300, and 900 for the tests:
+# on an H100 the 209 GPU tests took more than 280 s, and the float8 KV cache's engine tests start six engines more).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 limit=${LIMIT_S:-300}
-tests_limit=${LIMIT_S:-540}
+tests_limit=${LIMIT_S:-900}
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(tests latency throughput shared-prefix serve serve-floor)
 status=0
@@ -21,7 +22,9 @@ for part in "${parts[@]}"; do
         shared-prefix) command=("$python" benchmarks/shared_prefix.py --trace) ;;
         serve) command=("$python" benchmarks/serve.py --concurrency 1,64,256 --num-clients 4 --api-server-count 4) ;;
         serve-floor) command=("$python" benchmarks/serve_floor.py) ;;
-        *) echo "unknown part: $part (tests, latency, throughput, shared-prefix, serve, serve-floor)" >&2; exit 2 ;;
+        throughput-fp8) command=("$python" benchmarks/throughput.py --trace --no-peer --kv-cache-dtype fp8) ;;
+        *) echo "unknown part: $part (tests, latency, throughput, shared-prefix, serve, serve-floor," \
+                "throughput-fp8)" >&2; exit 2 ;;
     esac
     part_limit=$limit
     [ "$part" = tests ] && part_limit=$tests_limit
