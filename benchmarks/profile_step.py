@@ -106,24 +106,32 @@ def kernel_breakdown(path: str, batch: int, context: int) -> dict:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
+    del llm, engine
+    torch.cuda.empty_cache()
+    table = kernel_table(prof, steps, f"eager decode step, batch {batch}, context ~{context}", top=12)
+    return {"batch": batch, "context": context, **table}
+
+
+def kernel_table(prof, reps: int, title: str, top: int) -> dict:
+    """A torch.profiler run of `reps` repeats of some work: its GPU time per repeat by kernel and by kernel family
+    (_group), printed under `title` (the `top` longest kernels by name) and returned."""
+    import torch
+
     per_kernel: dict[str, float] = defaultdict(float)
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[event.name] += event.time_range.elapsed_us() / steps
+            per_kernel[event.name] += event.time_range.elapsed_us() / reps
     total = sum(per_kernel.values())
-    print(f"\n  eager decode step, batch {batch}, context ~{context}: GPU kernel time {total / 1e3:.3f} ms per step")
     groups: dict[str, float] = defaultdict(float)
-    for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
+    for name, us in per_kernel.items():
         groups[_group(name)] += us
+    print(f"\n  {title}: GPU kernel time {total / 1e3:.3f} ms")
     for group, us in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"    {group:<28} {us:8.1f} us  {us / total:5.1%}")
     print("    top kernels:")
-    for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]:
+    for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]:
         print(f"      {us:8.1f} us  {name[:110]}")
-    del llm, engine
-    torch.cuda.empty_cache()
-    return {"batch": batch, "context": context, "gpu_kernel_us": total, "groups_us": groups,
-            "kernels_us": dict(per_kernel)}
+    return {"gpu_kernel_us": total, "groups_us": dict(groups), "kernels_us": dict(per_kernel)}
 
 
 def prompt_breakdown(path: str, prompt_len: int, reps: int = 10) -> dict:
@@ -150,22 +158,8 @@ def prompt_breakdown(path: str, prompt_len: int, reps: int = 10) -> dict:
         torch.cuda.synchronize()
     del llm
     torch.cuda.empty_cache()
-    per_kernel: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[event.name] += event.time_range.elapsed_us() / reps
-    total = sum(per_kernel.values())
-    groups: dict[str, float] = defaultdict(float)
-    for name, us in per_kernel.items():
-        groups[_group(name)] += us
-    print(f"\n  eager prompt step, one sequence of {prompt_len} tokens: GPU kernel time {total / 1e3:.3f} ms")
-    for group, us in sorted(groups.items(), key=lambda kv: -kv[1]):
-        print(f"    {group:<28} {us:8.1f} us  {us / total:5.1%}")
-    print("    top kernels:")
-    for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:14]:
-        print(f"      {us:8.1f} us  {name[:110]}")
-    return {"prompt_len": prompt_len, "gpu_kernel_us": total, "groups_us": dict(groups),
-            "kernels_us": dict(per_kernel)}
+    return {"prompt_len": prompt_len,
+            **kernel_table(prof, reps, f"eager prompt step, one sequence of {prompt_len} tokens", top=14)}
 
 
 def trace_events(prof) -> list[dict]:

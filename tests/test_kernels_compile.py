@@ -46,13 +46,22 @@ _DECODE = dict(GROUP=4, BLOCK_G=4, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=64, USE_P
 # kv_cache_dtype="fp8": the caches in float8 e4m3 (Triton's fp8e4nv, which needs sm_89+), every other pointer as above
 _FP8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
 _PREFILL = dict(GROUP=4, BLOCK_M=128, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=64, USE_PDL=True)
-_GEMV_QKV = dict(BLOCK_N=2, BLOCK_K=2048, NORM=True, HAS_RESIDUAL=True, SILU_MUL=False, ROPE=True, HALF=32,
-                 EVEN_K=True, USE_PDL=True)
+_CASCADE_PREFIX = dict(GROUP=4, BLOCK_M=64, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=64, USE_PDL=True)
+
+
+def _gemv(block_n: int, block_k: int, norm: bool, silu: bool, rope: bool) -> dict:
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm, HAS_RESIDUAL=norm, SILU_MUL=silu, ROPE=rope, HALF=32,
+                EVEN_K=True, USE_PDL=True)
+
+
 CASES = [
-    *[(_ATTENTION, "_paged_decode_kernel", {**_DECODE, "SINGLE_SPLIT": single, "SKIP_PREFIX": skip}, _PARTIALS, 4)
-      for single, skip in ((True, False), (False, False), (False, True))],
-    ("tinyvllm.ops.cascade_attention", "_cascade_prefix_kernel",
-     dict(GROUP=4, BLOCK_M=64, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=64, USE_PDL=True), _PARTIALS, 4),
+    # Every kernel that reads or writes the KV cache also with a float8 cache (_FP8): decode (one split, several,
+    # the cascade suffix pass), the cascade prefix pass, prefill, and the stores (rotary.py's kernel, the qkv GEMV).
+    *[(_ATTENTION, "_paged_decode_kernel", {**_DECODE, "SINGLE_SPLIT": single, "SKIP_PREFIX": skip},
+       {**_PARTIALS, **caches}, 4)
+      for caches in ({}, _FP8) for single, skip in ((True, False), (False, False), (False, True))],
+    *[("tinyvllm.ops.cascade_attention", "_cascade_prefix_kernel", _CASCADE_PREFIX, {**_PARTIALS, **caches}, 4)
+      for caches in ({}, _FP8)],
     *[(_ATTENTION, "_combine_splits_kernel", dict(HEADS=heads, BLOCK_SPLITS=64, BLOCK_N=64, HEAD_DIM=64,
                                                    CASCADE=cascade, USE_PDL=True), _PARTIALS, warps)
       for heads, warps in ((1, 1), (16, 4)) for cascade in (False, True)],
@@ -65,23 +74,14 @@ CASES = [
       "width_ptr": "*i32", "tables_ptr": "*i32"}, 1),
     # The GEMV at the 1B's shapes: qkv with the norm and RoPE + KV store (K 2048, 2 pairs of rows) and without it,
     # gate_up with the norm and SiLU·mul, down (K 8192, 1 row): 16 KB of weights per program.
-    *[("tinyvllm.ops.gemv", "_gemv_kernel", dict(BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm, HAS_RESIDUAL=norm,
-                                                  SILU_MUL=silu, ROPE=rope, HALF=32, EVEN_K=True, USE_PDL=True),
-       _ROPE, 4)
+    *[("tinyvllm.ops.gemv", "_gemv_kernel", _gemv(block_n, block_k, norm, silu, rope), _ROPE, 4)
       for block_n, block_k, norm, silu, rope in ((2, 2048, True, False, True), (4, 2048, True, False, False),
                                                  (2, 2048, True, True, False), (1, 8192, False, False, False))],
-    # Every kernel that reads or writes the KV cache, with a float8 cache: decode (one split, several, the cascade
-    # suffix pass), the cascade prefix pass, prefill, and the stores (rotary.py's kernel, the qkv GEMV's epilogue).
-    *[(_ATTENTION, "_paged_decode_kernel", {**_DECODE, "SINGLE_SPLIT": single, "SKIP_PREFIX": skip},
-       {**_PARTIALS, **_FP8}, 4)
-      for single, skip in ((True, False), (False, False), (False, True))],
-    ("tinyvllm.ops.cascade_attention", "_cascade_prefix_kernel",
-     dict(GROUP=4, BLOCK_M=64, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=64, USE_PDL=True), {**_PARTIALS, **_FP8}, 4),
     (_ATTENTION, "_paged_prefill_kernel", _PREFILL, {**_PARTIALS, **_FP8}, 8),
     ("tinyvllm.ops.rotary", "_rotary_and_store_kernel",
      dict(HALF=32, BLOCK_Q_HEADS=32, BLOCK_KV_HEADS=8, USE_PDL=True),
      {"positions_ptr": "*i64", "cache_ptr": "*fp32", "slot_mapping_ptr": "*i64", **_FP8}, 4),
-    ("tinyvllm.ops.gemv", "_gemv_kernel", _GEMV_QKV, {**_ROPE, **_FP8}, 4),
+    ("tinyvllm.ops.gemv", "_gemv_kernel", _gemv(2, 2048, True, False, True), {**_ROPE, **_FP8}, 4),
 ]
 
 

@@ -103,28 +103,37 @@ LLAMA3_SCALING = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.
                   "original_max_position_embeddings": 64}
 
 
+def _rotary_case(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype,
+                 magnitude: float = 1.0, scaling: dict | None = LLAMA3_SCALING) -> tuple:
+    """rotary_embedding_and_store's inputs: positions, q, k and v as views of one fused qkv projection (as the
+    model produces them, times `magnitude`), the cos/sin cache, random K and V caches [2, blocks, block size, KV
+    heads, head dim] and slots with two padding tokens."""
+    num_blocks, block_size, tokens = 4, 8, 6
+    cos_sin = build_cos_sin_cache(head_dim, 200, 500000.0, scaling, torch.device("cpu"))
+    positions = torch.randint(0, 200, (tokens,))
+    slots = torch.tensor([9, -1, 30, 0, -1, 17], dtype=torch.int64)
+    qkv = (magnitude * torch.randn(tokens, (num_q_heads + 2 * num_kv_heads) * head_dim)).to(dtype)
+    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = (x.view(tokens, -1, head_dim) for x in (q, k, v))
+    caches = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
+    return positions, q, k, v, cos_sin, caches, slots
+
+
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, scaling", [
     (4, 2, 64, None), (9, 3, 64, LLAMA3_SCALING), (4, 2, 128, LLAMA3_SCALING)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_embedding_and_store(num_q_heads: int, num_kv_heads: int, head_dim: int, scaling: dict | None,
                                     dtype: torch.dtype) -> None:
-    num_blocks, block_size, tokens = 4, 8, 6
-    cache = build_cos_sin_cache(head_dim, 200, 500000.0, scaling, torch.device("cpu"))
-    positions = torch.randint(0, 200, (tokens,))
-    slots = torch.tensor([9, -1, 30, 0, -1, 17], dtype=torch.int64)  # two padding tokens
-    # q, k and v as views of one fused qkv projection, as the model produces them
-    qkv = torch.randn(tokens, (num_q_heads + 2 * num_kv_heads) * head_dim).to(dtype)
-    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    q, k, v = (x.view(tokens, -1, head_dim) for x in (q, k, v))
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    positions, q, k, v, cache, caches, slots = _rotary_case(num_q_heads, num_kv_heads, head_dim, dtype, dtype,
+                                                            scaling=scaling)
+    k_cache, v_cache = caches
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     ref_q = rotary_embedding_and_store_ref(positions, q.clone(), k.clone(), v.clone(), cache, ref_k, ref_v, slots)
     original_k, original_cache = k.clone(), k_cache.clone()
     out_q = rotary_embedding_and_store_triton(positions, q, k, v, cache, k_cache, v_cache, slots)
     assert out_q.data_ptr() == q.data_ptr()
     _close(q, ref_q)  # padding tokens' q too
-    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written = torch.zeros(k_cache.shape[0] * k_cache.shape[1], dtype=torch.bool)
     written[slots[slots >= 0]] = True
     flat_k, flat_ref_k, flat_original = k_cache.flatten(0, 1), ref_k.flatten(0, 1), original_cache.flatten(0, 1)
     _close(flat_k[written], flat_ref_k[written])
@@ -144,20 +153,6 @@ def _close_fp8(actual: torch.Tensor, expected: torch.Tensor) -> None:
     same = actual.view(torch.uint8) == expected.view(torch.uint8)
     assert float(same.float().mean()) > 0.99, f"{int((~same).sum())} of {same.numel()} differ"
     torch.testing.assert_close(actual.float(), expected.float(), atol=2.0**-9, rtol=0.125, equal_nan=True)
-
-
-def _rotary_case(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype,
-                 magnitude: float = 1.0) -> tuple:
-    """rotary_embedding_and_store's inputs (q, k, v views of one qkv product, times `magnitude`) and random caches."""
-    num_blocks, block_size, tokens = 4, 8, 6
-    cos_sin = build_cos_sin_cache(head_dim, 200, 500000.0, LLAMA3_SCALING, torch.device("cpu"))
-    positions = torch.randint(0, 200, (tokens,))
-    slots = torch.tensor([9, -1, 30, 0, -1, 17], dtype=torch.int64)  # two padding tokens
-    qkv = (magnitude * torch.randn(tokens, (num_q_heads + 2 * num_kv_heads) * head_dim)).to(dtype)
-    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    q, k, v = (x.view(tokens, -1, head_dim) for x in (q, k, v))
-    caches = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
-    return positions, q, k, v, cos_sin, caches, slots
 
 
 @pytest.mark.usefixtures("fp8_casts_as_on_the_gpu")

@@ -587,25 +587,35 @@ def test_fused_norm_without_residual(layout: str, m: int) -> None:
     assert_close(f"qkv without residual M={m} (seed {seed})", y, ref, torch.bfloat16)
 
 
+def run_qkv_rope_store(m: int, dtype: torch.dtype, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                       cos_sin_cache: torch.Tensor) -> tuple:
+    """qkv with the norm prologue and the RoPE + KV-store epilogue on fresh inputs of m rows, storing into k_cache and
+    v_cache at `slots`: (y, new residual) of the kernels, the float32 reference's, the caches the reference stored
+    into (float32 copies of the ones given), and the inputs' seed."""
+    generator, seed = fresh_generator()
+    n, k = FUSED_SHAPES["qkv"]
+    w = rand(n, k, generator=generator, dtype=dtype)
+    x, residual = rand(m, k, generator=generator, dtype=dtype), rand(m, k, generator=generator, dtype=dtype)
+    norm_weight = 1 + 0.1 * rand(k, generator=generator, dtype=dtype)
+    positions = torch.randint(0, 131072, (m,), device=DEVICE, generator=generator)
+    ref_caches = torch.stack([k_cache.float(), v_cache.float()])
+    rope = RopeStore(positions, cos_sin_cache, k_cache, v_cache, slots, NUM_Q_HEADS, NUM_KV_HEADS)
+    y, new_residual = poisoned(lambda: fused_norm_linear_triton(x, residual, norm_weight, EPS, w, rope=rope))
+    ref, ref_residual = fused_norm_linear_ref(x.float(), residual.float(), norm_weight.float(), EPS, w.float(),
+                                              rope=rope._replace(k_cache=ref_caches[0], v_cache=ref_caches[1]))
+    return y, new_residual, ref, ref_residual, ref_caches, seed
+
+
 @pytest.mark.parametrize("m", [1, 2, 4, 16])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_qkv_rope_store(dtype: torch.dtype, m: int, cos_sin_cache: torch.Tensor) -> None:
     """qkv with the norm prologue and the RoPE + KV-store epilogue (the GEMV's up to GEMV_MAX_ROWS rows, the tiled
     kernel then rotary.py's above), output-major weights, Llama 3 scaling at random positions: y (q rotated, k and
     v as the product gives them) and the stored slots against the float32 references; other slots untouched."""
-    generator, seed = fresh_generator()
-    n, k = FUSED_SHAPES["qkv"]
-    w = rand(n, k, generator=generator, dtype=dtype)
-    x, residual = rand(m, k, generator=generator, dtype=dtype), rand(m, k, generator=generator, dtype=dtype)
-    norm_weight = 1 + 0.1 * rand(k, generator=generator, dtype=dtype)
     k_cache, v_cache, slots = random_cache_slots(m, dtype)
-    positions = torch.randint(0, 131072, (m,), device=DEVICE, generator=generator)
-    ref_caches = torch.stack([k_cache, v_cache]).float()
     original = torch.stack([k_cache, v_cache])
-    rope = RopeStore(positions, cos_sin_cache, k_cache, v_cache, slots, NUM_Q_HEADS, NUM_KV_HEADS)
-    y, new_residual = poisoned(lambda: fused_norm_linear_triton(x, residual, norm_weight, EPS, w, rope=rope))
-    ref, ref_residual = fused_norm_linear_ref(x.float(), residual.float(), norm_weight.float(), EPS, w.float(),
-                                              rope=rope._replace(k_cache=ref_caches[0], v_cache=ref_caches[1]))
+    y, new_residual, ref, ref_residual, ref_caches, seed = run_qkv_rope_store(m, dtype, k_cache, v_cache, slots,
+                                                                              cos_sin_cache)
     what = f"qkv + RoPE + KV store M={m} {short(dtype)} (seed {seed})"
     assert_close(what, y, ref, dtype)
     assert_close(what + " new residual", new_residual, ref_residual, dtype)
@@ -921,18 +931,8 @@ def test_fused_qkv_rope_store_fp8_cache(m: int, cos_sin_cache: torch.Tensor) -> 
     """qkv with the RoPE + KV-store epilogue into float8 caches (the GEMV up to GEMV_MAX_ROWS rows, the tiled
     kernel then rotary.py's above): y as with any cache, the stored slots as the reference rounds them."""
     dtype = torch.bfloat16
-    generator, seed = fresh_generator()
-    n, k = FUSED_SHAPES["qkv"]
-    w = rand(n, k, generator=generator, dtype=dtype)
-    x, residual = rand(m, k, generator=generator, dtype=dtype), rand(m, k, generator=generator, dtype=dtype)
-    norm_weight = 1 + 0.1 * rand(k, generator=generator, dtype=dtype)
     k_cache, v_cache, slots = fp8_cache_slots(m)
-    positions = torch.randint(0, 131072, (m,), device=DEVICE, generator=generator)
-    ref_caches = torch.stack([k_cache.float(), v_cache.float()])
-    rope = RopeStore(positions, cos_sin_cache, k_cache, v_cache, slots, NUM_Q_HEADS, NUM_KV_HEADS)
-    y, _ = poisoned(lambda: fused_norm_linear_triton(x, residual, norm_weight, EPS, w, rope=rope))
-    ref, _ = fused_norm_linear_ref(x.float(), residual.float(), norm_weight.float(), EPS, w.float(),
-                                   rope=rope._replace(k_cache=ref_caches[0], v_cache=ref_caches[1]))
+    y, _, ref, _, ref_caches, seed = run_qkv_rope_store(m, dtype, k_cache, v_cache, slots, cos_sin_cache)
     what = f"qkv + RoPE + KV store into fp8 M={m} (seed {seed})"
     assert_close(what, y, ref, dtype)
     written = torch.zeros(k_cache.shape[0] * BLOCK_SIZE, dtype=torch.bool, device=DEVICE)
