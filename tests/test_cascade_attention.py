@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from tests.utils import save_tiny_llama, tiny_llm  # noqa: E402
+from tests.utils import relative_error, save_tiny_llama, tiny_llm  # noqa: E402
 from tinyvllm import SamplingParams  # noqa: E402
 from tinyvllm.contract import NewSequence, SchedulerOutput  # noqa: E402
 from tinyvllm.ops import AttentionMetadata  # noqa: E402
@@ -175,6 +175,22 @@ def test_cascade_with_fp8_cache(case: str) -> None:
     _close(partial_lse[:, :, 0], prefix_lse)
     _close(partial_out[:, :, 1], suffix_out)
     _close(partial_lse[:, :, 1], suffix_lse)
+
+
+@pytest.mark.usefixtures("fp8_casts_as_on_the_gpu")
+def test_cascade_with_fp8_cache_and_bfloat16_queries() -> None:
+    """The model's case: bfloat16 queries on a float8 cache, multiplied as float16 (attention._query_for), against
+    the float32 reference on the same cache: ||out - ref|| / ||ref|| within bfloat16's 1e-2, as the GPU tests judge
+    attention."""
+    prefix_len, suffixes, num_q_heads, num_kv_heads, prefix_splits, splits, config, prefix_config = CASES[
+        "row tiles and splits"]
+    q, k_cache, v_cache, meta = shared_prefix_batch(prefix_len, suffixes, num_q_heads, num_kv_heads)
+    q, k_cache, v_cache = q.to(torch.bfloat16), k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    scale = q.shape[-1] ** -0.5
+    plan = cascade_plan(q, k_cache, meta, prefix_splits, splits, config, prefix_config)
+    out = cascade_attention_triton(q, k_cache, v_cache, meta, scale, plan)
+    assert out.dtype == torch.bfloat16 and bool(torch.isfinite(out).all())
+    assert relative_error(out, paged_attention_ref(q.float(), k_cache, v_cache, _plain(meta), scale)) <= 1e-2
 
 
 def test_use_cascade_attention_thresholds() -> None:

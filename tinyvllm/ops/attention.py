@@ -152,7 +152,8 @@ if triton is not None:
     # K/V rows are gathered through the block table: key n lives in block table[n // BLOCK_SIZE], slot
     # n % BLOCK_SIZE. CAUSAL masks key n > q_pos[row]; BOUNDED masks keys >= kv_end (tiles that are not full).
     # K and V are converted to q's dtype as they are loaded: a float8 cache (kv_cache_dtype="fp8") is read as
-    # half the bytes and multiplied as q's type; for a cache of q's dtype the conversion is no code at all.
+    # half the bytes and multiplied as q's type (float16 there, see _query_for); for a cache of q's dtype the
+    # conversion is no code at all.
     @triton.jit
     def _attend_tile(
         acc, m_i, l_i, q, q_pos, start_n, kv_end, table_ptr, k_base, v_base,
@@ -191,6 +192,16 @@ if triton is not None:
         v = v.to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)
         return acc, m_new, l_i
+
+    @triton.jit
+    def _query_for(q, cache_ptr):
+        """q as the tiles multiply it, for a cache of cache_ptr's element type: a bfloat16 q becomes float16 for a
+        float8 e4m3 cache, whose values then convert in one instruction per pair (sm_89+'s cvt.f16x2.e4m3x2), not
+        the three that bfloat16 takes; float16 holds every e4m3 value, and every bfloat16 q of its range (q is
+        clamped to it), exactly. Any other q or cache: q unchanged."""
+        if (cache_ptr.dtype.element_ty == tl.float8e4nv) & (q.dtype == tl.bfloat16):
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        return q
 
     @triton.jit
     def _attend_keys(
@@ -252,6 +263,7 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=row_valid[:, None], other=0.0)
+        q = _query_for(q, k_cache_ptr)
 
         table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
         k_base = k_cache_ptr + kv_head * stride_kh
@@ -358,6 +370,7 @@ if triton is not None:
 
         q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=row_valid[:, None], other=0.0)
+        q = _query_for(q, k_cache_ptr)
         out, lse = _attend_keys(q, start, end, table_ptr, k_cache_ptr + kv_head * stride_kh,
                                 v_cache_ptr + kv_head * stride_vh, stride_kb, stride_ks, stride_vb, stride_vs,
                                 qk_scale, BLOCK_G, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
