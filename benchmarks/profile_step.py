@@ -16,6 +16,7 @@
    token waits for.
 
     python benchmarks/profile_step.py [--json PATH] [--timeline-only] [--prompt N [--prompt-only]]
+    python benchmarks/profile_step.py --steps-only [--batches 256] [--kv-cache-dtype fp8]   (part 2 alone)
 """
 
 from __future__ import annotations
@@ -91,12 +92,12 @@ def decoding_llm(path: str, batch: int, context: int, temperature: float = 0.6, 
     return llm
 
 
-def kernel_breakdown(path: str, batch: int, context: int) -> dict:
+def kernel_breakdown(path: str, batch: int, context: int, **engine_args) -> dict:
     """Per-kernel GPU time of one eager decode step at `batch` sequences of `context` tokens."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    llm = decoding_llm(path, batch, context, enforce_eager=True)
+    llm = decoding_llm(path, batch, context, enforce_eager=True, **engine_args)
     engine = llm.llm_engine
     for _ in range(3):
         engine.step()
@@ -344,12 +345,12 @@ def engine_timeline(path: str, batch: int = 1, context: int = 128, steps: int = 
     return result
 
 
-def graph_step_ms(path: str, batch: int, context: int) -> float:
+def graph_step_ms(path: str, batch: int, context: int, **engine_args) -> float:
     """GPU time of one decode step's graph (16 layers) at `batch`, by CUDA events: the model runner's CUDA
     graph of that size replayed over the inputs of the engine's last decode step, still in its buffers."""
     import torch
 
-    llm = decoding_llm(path, batch, context)
+    llm = decoding_llm(path, batch, context, **engine_args)
     engine = llm.llm_engine
     graphs = engine.engine_core.model_runner.cuda_graphs
     bs = next(b for b in graphs.batch_sizes if b >= batch)
@@ -367,10 +368,15 @@ def main() -> None:
     parser.add_argument("--timeline-only", action="store_true", help="only part 3, the engine's GPU timeline")
     parser.add_argument("--prompt", type=int, default=None, metavar="N", help="also part 4, a lone N-token prompt")
     parser.add_argument("--prompt-only", action="store_true", help="only part 4")
+    parser.add_argument("--steps-only", action="store_true", help="only part 2, the decode steps of --batches")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
+                        help="part 2's engines: auto (the model's dtype) or fp8 (float8 e4m3)")
     args = parser.parse_args()
     path = random_llama_1b()
     result = {"commit": commit(), "gpu": gpu_name()}
-    print(f"profile_step on {result['gpu']} at {result['commit']}")
+    cache = f", kv_cache_dtype {args.kv_cache_dtype} in the decode steps" if args.kv_cache_dtype != "auto" else ""
+    print(f"profile_step on {result['gpu']} at {result['commit']}{cache}")
+    result["kv_cache_dtype"] = args.kv_cache_dtype
     if args.prompt:
         result["prompt"] = prompt_breakdown(path, args.prompt)
         result["prompt"]["timeline"] = prompt_timeline(path, args.prompt)
@@ -381,15 +387,17 @@ def main() -> None:
                 with open(args.json, "w") as f:
                     json.dump(result, f, indent=1)
             return
-    result["timeline"] = engine_timeline(path)
+    if not args.steps_only:
+        result["timeline"] = engine_timeline(path)
     if not args.timeline_only:
-        print("matrix products (16 distinct weights per shape, CUDA graph):")
-        result["matmuls"] = bench_matmuls([1, 8, 64, 256])
+        if not args.steps_only:
+            print("matrix products (16 distinct weights per shape, CUDA graph):")
+            result["matmuls"] = bench_matmuls([1, 8, 64, 256])
         result["steps"] = []
         for batch in (int(b) for b in args.batches.split(",")):
             context = 128 if batch == 1 else 512
-            eager = kernel_breakdown(path, batch, context)
-            eager["graph_replay_ms"] = graph_step_ms(path, batch, context)
+            eager = kernel_breakdown(path, batch, context, kv_cache_dtype=args.kv_cache_dtype)
+            eager["graph_replay_ms"] = graph_step_ms(path, batch, context, kv_cache_dtype=args.kv_cache_dtype)
             result["steps"].append(eager)
     if args.json:
         with open(args.json, "w") as f:
