@@ -56,6 +56,8 @@ def main() -> None:
     parser.add_argument("--plot", default=None, metavar="FILE",
                         help="draw each run's steps into a PNG: FILE-caching-on.png, FILE-caching-off.png "
                         "(and with --cascade-off FILE-caching-on-cascade-off.png; needs matplotlib)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="auto (the model's dtype) or fp8 (float8 e4m3, sm_89+: twice the blocks of bf16)")
     args = parser.parse_args()
     from tinyvllm.entrypoints.step_plot import StepRecorder, import_matplotlib, plot_path, plot_steps
 
@@ -82,11 +84,13 @@ def main() -> None:
         from common import random_llama_1b
 
         path, kwargs = random_llama_1b(), {"skip_tokenizer_init": True, "max_model_len": 4096}
+    kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     rng = random.Random(0)
     system = [rng.randrange(10000) for _ in range(prefix_len)]
     prompts = [system + [rng.randrange(10000) for _ in range(question_len)] for _ in range(n)]
     print(f"shared-prefix on {gpu_name()} at {commit()}: {n} requests, {prefix_len}-token shared prefix, "
-          f"{question_len}-token questions, {out_len} output tokens (one request warms the prefix first)")
+          f"{question_len}-token questions, {out_len} output tokens (one request warms the prefix first)"
+          + (f", kv_cache_dtype {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""))
     results: dict[tuple[bool, bool], list[dict]] = {}
     # (prefix caching, cascade attention); without caching no two sequences share blocks, so cascade never applies
     configs = [(True, True), *([(True, False)] if args.cascade_off else []), (False, True)]
