@@ -676,12 +676,15 @@ def _sweep_rms_norm_at(tokens: int) -> None:
 def sweep_decode(batch: int, context: int) -> None:
     k4 = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, device=DEVICE, dtype=DTYPE)
     k_cache, v_cache, block_tables = paged_from_contiguous(k4, torch.randn_like(k4))
+    if KV_CACHE_FP8:
+        k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
     q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
     meta = metadata([1] * batch, [context] * batch, block_tables)
-    kv_bytes = 2 * k4.numel() * k4.element_size()
+    kv_bytes = 2 * k4.numel() * k_cache.element_size()  # (the bytes read: half as many from a float8 cache)
     default_splits = decode_num_splits(batch, NUM_KV_HEADS, context)
-    print(f"\n## Decode B={batch} ctx={context} configs (BLOCK_N, warps, stages) x splits; "
-          f"default {decode_config(HEAD_DIM, DTYPE)} x {default_splits} (one cache: L2-resident when small)")
+    print(f"\n## Decode B={batch} ctx={context}{' fp8 cache' if KV_CACHE_FP8 else ''} configs (BLOCK_N, warps, "
+          f"stages) x splits; default {decode_config(HEAD_DIM, DTYPE)} x {default_splits} (one cache: L2-resident "
+          f"when small)")
     for config in DECODE_SWEEP:
         results = []
         for splits in sorted({1, 2, 4, 8, 16, 32, default_splits}):
