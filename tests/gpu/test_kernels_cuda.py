@@ -25,7 +25,7 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from tests.utils import CUDA_ONLY, attention_metadata  # noqa: E402
+from tests.utils import CUDA_ONLY, attention_metadata, relative_error  # noqa: E402
 from tinyvllm.ops.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from tinyvllm.ops.attention import AttentionMetadata, paged_attention_ref, paged_attention_triton  # noqa: E402
 from tinyvllm.ops.cascade_attention import cascade_attention_triton  # noqa: E402
@@ -931,9 +931,9 @@ def test_rotary_embedding_and_store_fp8_cache(dtype: torch.dtype, tokens: int, m
 def test_fused_qkv_rope_store_fp8_cache(m: int, cos_sin_cache: torch.Tensor) -> None:
     """qkv with the RoPE + KV-store epilogue into float8 caches (the GEMV up to GEMV_MAX_ROWS rows, the tiled
     kernel then rotary.py's above): y as with any cache; each stored slot is the kernel's own bfloat16 k (rotated)
-    or v rounded to e4m3 (v bit for bit), and within one e4m3 step of the float32 reference's value. (Against the
-    reference alone a bit-for-bit count says little: the product's bfloat16 rounding, one step off the reference's
-    in many values, moves some of those across an e4m3 rounding boundary.)"""
+    or v rounded to e4m3 (v bit for bit), and all of them within e4m3's rounding of the float32 reference's values.
+    (Against the reference alone a bit-for-bit count says little: the product's bfloat16 rounding, one step off the
+    reference's in many values, moves some of those across an e4m3 rounding boundary.)"""
     dtype = torch.bfloat16
     k_cache, v_cache, slots = fp8_cache_slots(m)
     y, _, ref, _, ref_caches, seed, positions = run_qkv_rope_store(m, dtype, k_cache, v_cache, slots, cos_sin_cache)
@@ -948,6 +948,8 @@ def test_fused_qkv_rope_store_fp8_cache(m: int, cos_sin_cache: torch.Tensor) -> 
     assert_fp8_close(what + " K from its own y", stored[0], own_k)
     own_v = to_cache_dtype_ref(v[valid].to(dtype), FP8)
     assert torch.equal(stored[1].view(torch.uint8), own_v.view(torch.uint8)), f"{what}: V is not its y rounded"
+    # Against the float32 reference, as a whole: e4m3's rounding moves a normal value by at most 1/16 of itself (so
+    # the norm of the error is at most 1/16 of the norm), bfloat16's adds ~1/256. Value by value it can be further:
+    # RoPE's x1 cos - x2 sin of the product's bfloat16 outputs can cancel to a value far smaller than their errors.
     reference = ref_caches.flatten(1, 2)[:, slots[valid]]
-    torch.testing.assert_close(stored.float(), to_cache_dtype_ref(reference, FP8).float(), atol=2.0**-9, rtol=0.125,
-                               msg=lambda message: f"{what}, against the float32 reference: {message}")
+    assert relative_error(stored.float(), reference) <= 1 / 16 + 1 / 256, f"{what}: far from the float32 reference"
