@@ -604,7 +604,7 @@ def bench_sampling(table: Table) -> None:
 PREFILL_SWEEP = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 3), (128, 32, 4, 4),
                  (64, 64, 4, 3), (256, 64, 8, 3)]
 DECODE_SWEEP = [(64, 4, 3), (64, 4, 2), (64, 8, 3), (64, 2, 3), (32, 4, 3), (32, 2, 3), (16, 2, 3), (128, 4, 3),
-                (128, 8, 3)]
+                (128, 8, 3), (64, 2, 2), (32, 2, 2), (128, 4, 2), (64, 4, 1)]
 # (the engine's shapes: batch 1 at short contexts, batch 256 at the throughput workload's ~500-1500)
 DECODE_SWEEP_SHAPES = [(1, 128), (1, 256), (1, 384), (1, 512), (1, 8192),
                        (64, 2048), (256, 512), (256, 1024), (256, 2048)]
@@ -682,9 +682,9 @@ def sweep_decode(batch: int, context: int) -> None:
     meta = metadata([1] * batch, [context] * batch, block_tables)
     kv_bytes = 2 * k4.numel() * k_cache.element_size()  # (the bytes read: half as many from a float8 cache)
     default_splits = decode_num_splits(batch, NUM_KV_HEADS, context)
+    default = decode_config(HEAD_DIM, DTYPE)
     print(f"\n## Decode B={batch} ctx={context}{' fp8 cache' if KV_CACHE_FP8 else ''} configs (BLOCK_N, warps, "
-          f"stages) x splits; default {decode_config(HEAD_DIM, DTYPE)} x {default_splits} (one cache: L2-resident "
-          f"when small)")
+          f"stages) x splits; default {default} x {default_splits} (one cache: L2-resident when small)")
     for config in DECODE_SWEEP:
         results = []
         for splits in sorted({1, 2, 4, 8, 16, 32, default_splits}):

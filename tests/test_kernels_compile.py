@@ -33,6 +33,8 @@ for module, name, constants, pointers, num_warps in json.loads(sys.argv[1]):
     assert "griddepcontrol.wait" in ptx, f"{name} {constants}: no PDL wait"
     if name == "_paged_decode_kernel":  # its first keys are asked of L2 while the kernel before finishes
         assert -1 < ptx.find("prefetch.global.L2") < ptx.index("griddepcontrol.wait"), f"{constants}: no prefetch"
+    if pointers.get("v_cache_ptr") == "*fp8e4nv":  # (attention._values_as: else sm_90 reads V a byte at a time)
+        assert "ld.shared.b8" not in ptx, f"{name}: a float8 tile read from shared memory a byte at a time"
     count += 1
 print("compiled", count)
 """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -146,6 +147,23 @@ if triton is not None:
         else:
             return tl.dot(a, b)
 
+    # Inline PTX, unless the interpreter runs the kernels as Python (the CPU tests): it has no PTX.
+    _PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+    @triton.jit
+    def _values_as(v, dtype: tl.constexpr):
+        """A V tile [keys, head_dim] as dtype, for p @ v. Float8 e4m3 to float16 converts in inline PTX marked impure,
+        which Triton leaves where it is: its own conversion it moves past the tile's change of layout for the product,
+        and that layout (keys paired per thread: V transposed) is then read from shared memory a byte at a time, as
+        sm_90 has no 8-bit ldmatrix.trans. Converted first, the tile goes through shared memory as float16."""
+        if (v.dtype == tl.float8e4nv) & (dtype == tl.float16):
+            if _PTX:
+                return tl.inline_asm_elementwise(
+                    "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+                    "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+                    "=r,=r,r", [v.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+        return v.to(dtype)
+
     # One step of the online softmax over the keys start_n .. start_n + BLOCK_N of one sequence:
     #   s = (q @ K^T) * scale*log2(e), masked;  m' = max(m, rowmax(s));  p = exp2(s - m')
     #   l' = l * exp2(m - m') + rowsum(p);      acc' = acc * exp2(m - m') + p @ V
@@ -189,7 +207,7 @@ if triton is not None:
             v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
         else:
             v = tl.load(v_ptrs)
-        v = v.to(q.dtype)
+        v = _values_as(v, q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)
         return acc, m_new, l_i
 
