@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU and its own CUDA torch (no setup here: run it with the python that has them):
 # the GPU tests, then the benchmarks, each part under a time limit so that one that hangs cannot take the rest.
-# Parts: tests, latency, throughput, shared-prefix, serve, serve-floor (default: all, in that order), and
-# throughput-fp8 (throughput-256 with kv_cache_dtype="fp8": run it beside throughput to compare), e.g.
+# Parts: tests, latency, throughput, shared-prefix, serve, serve-floor (default: all, in that order), and for the
+# float8 KV cache (kv_cache_dtype="fp8"): throughput-fp8 (throughput-256 with it: run it beside throughput to
+# compare), tests-fp8 (the GPU tests of its kernels and engine) and kernels-fp8 (decode attention on it), e.g.
 #     bash scripts/gpu_check.sh tests latency
 # PYTHON picks the interpreter (default python3); LIMIT_S the seconds per part (default 300, and 900 for the tests:
 # on an H100 the 209 GPU tests took more than 280 s, and the float8 KV cache's engine tests start six engines more).
@@ -23,8 +24,10 @@ for part in "${parts[@]}"; do
         serve) command=("$python" benchmarks/serve.py --concurrency 1,64,256 --num-clients 4 --api-server-count 4) ;;
         serve-floor) command=("$python" benchmarks/serve_floor.py) ;;
         throughput-fp8) command=("$python" benchmarks/throughput.py --trace --no-peer --kv-cache-dtype fp8) ;;
+        tests-fp8) command=("$python" -m pytest -q -m cuda -p no:cacheprovider tests/gpu -k fp8) ;;
+        kernels-fp8) command=("$python" benchmarks/bench_kernels.py --kv-cache-dtype fp8) ;;
         *) echo "unknown part: $part (tests, latency, throughput, shared-prefix, serve, serve-floor," \
-                "throughput-fp8)" >&2; exit 2 ;;
+                "throughput-fp8, tests-fp8, kernels-fp8)" >&2; exit 2 ;;
     esac
     part_limit=$limit
     [ "$part" = tests ] && part_limit=$tests_limit
