@@ -138,11 +138,9 @@ def test_cascade_idle_and_padding_rows() -> None:
     assert bool((out[-2:] == 0).all())
 
 
-def test_each_pass_against_its_reference() -> None:
+def _check_each_pass(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                     prefix_len: int, scale: float) -> None:
     """With one split each, slot 0 of the partial results is the prefix pass's and slot 1 the suffix pass's."""
-    prefix_len = 64
-    q, k_cache, v_cache, meta = shared_prefix_batch(prefix_len, [1, 18, 5, 40], 8, 2)
-    scale = 0.17
     plan = cascade_plan(q, k_cache, meta, num_prefix_splits=1, num_splits=1)
     partial_out, partial_lse = cascade_partials_triton(q, k_cache, v_cache, meta, scale, plan)
     prefix_out, prefix_lse = cascade_prefix_ref(q, k_cache, v_cache, meta.block_tables[0], prefix_len, scale)
@@ -153,44 +151,34 @@ def test_each_pass_against_its_reference() -> None:
     _close(partial_lse[:, :, 1], suffix_lse)
 
 
+def test_each_pass_against_its_reference() -> None:
+    prefix_len = 64
+    q, k_cache, v_cache, meta = shared_prefix_batch(prefix_len, [1, 18, 5, 40], 8, 2)
+    _check_each_pass(q, k_cache, v_cache, meta, prefix_len, 0.17)
+
+
 @pytest.mark.usefixtures("fp8_casts_as_on_the_gpu")
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("case", ["several blocks, gqa 3", "row tiles and splits"])
-def test_cascade_with_fp8_cache(case: str) -> None:
+def test_cascade_with_fp8_cache(case: str, query_dtype: torch.dtype) -> None:
     """kv_cache_dtype="fp8": both passes read the float8 cache as the query's dtype, the references as float32; with
-    the same cache they agree as closely as with a float32 one, each pass and the whole."""
+    the same cache and float32 queries they agree as closely as with a float32 cache, each pass and the whole.
+    Bfloat16 queries (the model's case, multiplied as float16: attention._query_for): the whole, within bfloat16's
+    1e-2 of ||ref||, as the GPU tests judge attention."""
     prefix_len, suffixes, num_q_heads, num_kv_heads, prefix_splits, splits, config, prefix_config = CASES[case]
     q, k_cache, v_cache, meta = shared_prefix_batch(prefix_len, suffixes, num_q_heads, num_kv_heads)
-    k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)  # (NaN stays NaN)
-    scale = q.shape[-1] ** -0.5
-    plan = cascade_plan(q, k_cache, meta, prefix_splits, splits, config, prefix_config)
-    _close(cascade_attention_triton(q, k_cache, v_cache, meta, scale, plan),
-           paged_attention_ref(q, k_cache, v_cache, _plain(meta), scale))
-    _close(cascade_attention_ref(q, k_cache, v_cache, meta, scale),
-           paged_attention_ref(q, k_cache, v_cache, _plain(meta), scale))
-    one_each = cascade_plan(q, k_cache, meta, num_prefix_splits=1, num_splits=1)
-    partial_out, partial_lse = cascade_partials_triton(q, k_cache, v_cache, meta, scale, one_each)
-    prefix_out, prefix_lse = cascade_prefix_ref(q, k_cache, v_cache, meta.block_tables[0], prefix_len, scale)
-    suffix_out, suffix_lse = cascade_suffix_ref(q, k_cache, v_cache, meta, prefix_len, scale)
-    _close(partial_out[:, :, 0], prefix_out)
-    _close(partial_lse[:, :, 0], prefix_lse)
-    _close(partial_out[:, :, 1], suffix_out)
-    _close(partial_lse[:, :, 1], suffix_lse)
-
-
-@pytest.mark.usefixtures("fp8_casts_as_on_the_gpu")
-def test_cascade_with_fp8_cache_and_bfloat16_queries() -> None:
-    """The model's case: bfloat16 queries on a float8 cache, multiplied as float16 (attention._query_for), against
-    the float32 reference on the same cache: ||out - ref|| / ||ref|| within bfloat16's 1e-2, as the GPU tests judge
-    attention."""
-    prefix_len, suffixes, num_q_heads, num_kv_heads, prefix_splits, splits, config, prefix_config = CASES[
-        "row tiles and splits"]
-    q, k_cache, v_cache, meta = shared_prefix_batch(prefix_len, suffixes, num_q_heads, num_kv_heads)
-    q, k_cache, v_cache = q.to(torch.bfloat16), k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    q, k_cache, v_cache = q.to(query_dtype), k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
     scale = q.shape[-1] ** -0.5
     plan = cascade_plan(q, k_cache, meta, prefix_splits, splits, config, prefix_config)
     out = cascade_attention_triton(q, k_cache, v_cache, meta, scale, plan)
-    assert out.dtype == torch.bfloat16 and bool(torch.isfinite(out).all())
-    assert relative_error(out, paged_attention_ref(q.float(), k_cache, v_cache, _plain(meta), scale)) <= 1e-2
+    expected = paged_attention_ref(q.float(), k_cache, v_cache, _plain(meta), scale)
+    if query_dtype == torch.bfloat16:
+        assert out.dtype == torch.bfloat16 and bool(torch.isfinite(out).all())
+        assert relative_error(out, expected) <= 1e-2
+        return
+    _close(out, expected)
+    _close(cascade_attention_ref(q, k_cache, v_cache, meta, scale), expected)
+    _check_each_pass(q, k_cache, v_cache, meta, prefix_len, scale)
 
 
 def test_use_cascade_attention_thresholds() -> None:
