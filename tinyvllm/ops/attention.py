@@ -228,7 +228,8 @@ if triton is not None:
     ):
         """Query rows q [ROWS, HEAD_DIM] against keys start .. end - 1 of one block table, every row seeing all of
         them (a decode token, or cascade attention's shared prefix): the normalized output [ROWS, HEAD_DIM] and
-        its log2-sum-exp [ROWS]."""
+        its log2-sum-exp [ROWS]. q as loaded: _query_for makes it what the tiles multiply."""
+        q = _query_for(q, k_base)
         m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([ROWS], dtype=tl.float32)
         acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
@@ -388,7 +389,6 @@ if triton is not None:
 
         q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=row_valid[:, None], other=0.0)
-        q = _query_for(q, k_cache_ptr)
         out, lse = _attend_keys(q, start, end, table_ptr, k_cache_ptr + kv_head * stride_kh,
                                 v_cache_ptr + kv_head * stride_vh, stride_kb, stride_ks, stride_vb, stride_vs,
                                 qk_scale, BLOCK_G, BLOCK_N, BLOCK_SIZE, HEAD_DIM)

@@ -147,14 +147,7 @@ def cascade_attention_ref(
 # ---------------------------------------------------------------------------------------------- Triton kernels
 
 if triton is not None:
-    from tinyvllm.ops.attention import (
-        _attend_keys,
-        _query_for,
-        _split_partition,
-        _store_partial,
-        launch_combine,
-        launch_decode,
-    )
+    from tinyvllm.ops.attention import _attend_keys, _split_partition, _store_partial, launch_combine, launch_decode
     from tinyvllm.ops.pdl import pdl_options, pdl_wait
 
     # The prefix pass: program (kv head, row tile, split). Row r of the tile is sequence r // GROUP's query
@@ -191,7 +184,6 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=row_valid[:, None], other=0.0)
-        q = _query_for(q, k_cache_ptr)
         out, lse = _attend_keys(q, start, end, block_tables_ptr, k_cache_ptr + kv_head * stride_kh,
                                 v_cache_ptr + kv_head * stride_vh, stride_kb, stride_ks, stride_vb, stride_vs,
                                 qk_scale, BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
