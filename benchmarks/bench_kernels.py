@@ -12,10 +12,10 @@
   GB/s (the K+V bytes the plain kernel reads) vs the plain paged decode kernel on the same blocks and vs SDPA
   flash on contiguous KV of the mean length; first a bf16 correctness check against the float32 reference;
   --sweep cascade (or all) also times other prefix splits and row tiles;
-- with --gemv, alone: the skinny matmul (tinyvllm/ops/linear.py) at M = 1..64 on the five Llama-3.2-1B
-  products, in the layouts and calls the model uses, vs cuBLAS and the copy ceiling, 16 distinct weights per
-  shape replayed in a CUDA graph (as the 16 layers run: nothing served from the 50 MB L2); first a bf16
-  correctness check of every case against float64, fresh random inputs each run;
+- with --gemv, alone: the skinny matmul (tinyvllm/ops/linear.py) at M = 1..64 (--batches: other row counts) on
+  the five Llama-3.2-1B products, in the layouts and calls the model uses, vs cuBLAS and the copy ceiling, 16
+  distinct weights per shape replayed in a CUDA graph (as the 16 layers run: nothing served from the 50 MB L2);
+  first a bf16 correctness check of every case against float64, fresh random inputs each run;
 - with --fused, alone: the fused decode kernels (tinyvllm/ops/fused_linear.py) at M = 1..64, each against what
   the model runs without them (qkv: fused add+RMSNorm then cuBLAS; gate_up: the norm, cuBLAS, SiLU-and-mul;
   o and down: cuBLAS; the LM head: cuBLAS logits then the sampler's greedy argmax), beside linear.py's plain
@@ -27,7 +27,7 @@
 
     python benchmarks/bench_kernels.py [--quick] [--sweep [prefill|decode|rms_norm] [--sweep-only]]
     python benchmarks/bench_kernels.py --kv-cache-dtype fp8 [--quick]   (decode attention alone: float8 vs bf16 caches)
-    python benchmarks/bench_kernels.py --gemv [--gemv-sweep]
+    python benchmarks/bench_kernels.py --gemv [--gemv-sweep] [--batches 128,256]
     python benchmarks/bench_kernels.py --cascade [--sweep cascade]
     python benchmarks/bench_kernels.py --fused [--batches 1,2,4,8] [--sweep]
 
@@ -1218,7 +1218,7 @@ def run_fused(sweep_tiles: bool) -> int:
 
 
 def main() -> int:
-    global QUICK, FUSED_BATCHES, KV_CACHE_FP8
+    global QUICK, FUSED_BATCHES, GEMV_BATCHES, KV_CACHE_FP8
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer decode shapes, shorter timing runs")
     parser.add_argument("--sweep", nargs="?", const="all", choices=("all", "prefill", "decode", "rms_norm", "cascade"),
@@ -1232,11 +1232,11 @@ def main() -> int:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
                         help="fp8: the decode attention table alone, on float8 e4m3 caches against ours on bf16 caches")
     parser.add_argument("--batches", type=lambda text: [int(m) for m in text.split(",")], default=GEMV_BATCHES,
-                        help="with --fused: the row counts M (default 1,2,4,8,16,32,64)")
+                        help="with --fused or --gemv: the row counts M (default 1,2,4,8,16,32,64)")
     args = parser.parse_args()
     QUICK = args.quick
     KV_CACHE_FP8 = args.kv_cache_dtype != "auto"
-    FUSED_BATCHES = args.batches
+    FUSED_BATCHES = GEMV_BATCHES = args.batches
     if not torch.cuda.is_available():
         print("benchmarks/bench_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
