@@ -13,9 +13,11 @@
   flash on contiguous KV of the mean length; first a bf16 correctness check against the float32 reference;
   --sweep cascade (or all) also times other prefix splits and row tiles;
 - with --gemv, alone: the skinny matmul (tinyvllm/ops/linear.py) at M = 1..64 (--batches: other row counts) on
-  the five Llama-3.2-1B products, in the layouts and calls the model uses, vs cuBLAS and the copy ceiling, 16
-  distinct weights per shape replayed in a CUDA graph (as the 16 layers run: nothing served from the 50 MB L2);
-  first a bf16 correctness check of every case against float64, fresh random inputs each run;
+  the five Llama-3.2-1B products, in the calls the model makes, vs cuBLAS (the projections' weights stored
+  input-major, and in a last column output-major, as the model keeps those that run on the decode kernels at a
+  few rows) and the copy ceiling, 16 distinct weights per shape replayed in a CUDA graph (as the 16 layers run:
+  nothing served from the 50 MB L2); first a bf16 correctness check of every case against float64, fresh random
+  inputs each run;
 - with --fused, alone: the fused decode kernels (tinyvllm/ops/fused_linear.py) at M = 1..64, each against what
   the model runs without them (qkv: fused add+RMSNorm then cuBLAS; gate_up: the norm, cuBLAS, SiLU-and-mul;
   o and down: cuBLAS; the LM head: cuBLAS logits then the sampler's greedy argmax), beside linear.py's plain
@@ -826,22 +828,27 @@ def bench_gemv(ceiling: float) -> dict[tuple[str, int], tuple[float, float]]:
     rows = []
     for name, (n, k) in GEMV_SHAPES.items():
         weights = gemv_weights(name, GEMV_WEIGHTS)
+        # (the projections' weights as the model keeps them when they run on the decode kernels at a few rows:
+        # output-major, which cuBLAS then multiplies at every larger row count)
+        output_major = None if name == "lm_head" else gemv_weights(name, GEMV_WEIGHTS, output_major=True)
         nbytes = n * k * 2
         for m in GEMV_BATCHES:
             x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
             ours, peer = time_gemv(name, weights, x, None), time_cublas(name, weights, x)
             results[name, m] = (ours, peer)
             ours_gbps, peer_gbps = nbytes / ours / 1e3, nbytes / peer / 1e3
+            other = "-" if output_major is None else f"{time_cublas(name, output_major, x):.2f}"
             rows.append((f"{name} {n}x{k}", str(m), describe(gemv_config(name, m)), f"{ours:.2f}", f"{ours_gbps:,.0f}",
                          f"{peer:.2f}", f"{peer_gbps:,.0f}", f"{peer / ours:.2f}x", f"{100 * ours_gbps / ceiling:.0f}%",
-                         f"{100 * peer_gbps / ceiling:.0f}%"))
+                         f"{100 * peer_gbps / ceiling:.0f}%", other))
             print("  " + "  ".join(rows[-1]), flush=True)
-        del weights
+        del weights, output_major
         torch.cuda.empty_cache()
     print(f"\n## Skinny matmul vs cuBLAS, bf16, {GEMV_WEIGHTS} weights per shape in a CUDA graph "
           f"(GB/s of weight read; copy ceiling {ceiling:.0f} GB/s)\n")
     print_columns(("product NxK", "M", "config (MxNxK tile, split, warps, stages)", "ours us", "ours GB/s",
-                   "cuBLAS us", "cuBLAS GB/s", "cuBLAS/ours", "ours of copy", "cuBLAS of copy"), rows)
+                   "cuBLAS us", "cuBLAS GB/s", "cuBLAS/ours", "ours of copy", "cuBLAS of copy",
+                   "cuBLAS us, weight [N, K] contiguous"), rows)
     print("\nCrossover (cuBLAS/ours > 1: ours faster):")
     for name in GEMV_SHAPES:
         slower = [m for m in GEMV_BATCHES if results[name, m][0] > results[name, m][1]]
