@@ -29,7 +29,7 @@
 
     python benchmarks/bench_kernels.py [--quick] [--sweep [prefill|decode|rms_norm] [--sweep-only]]
     python benchmarks/bench_kernels.py --kv-cache-dtype fp8 [--quick]   (decode attention alone: float8 vs bf16 caches)
-    python benchmarks/bench_kernels.py --gemv [--gemv-sweep] [--batches 128,256]
+    python benchmarks/bench_kernels.py --gemv [--gemv-sweep] [--batches 128,256]   (--batches: the rows of both)
     python benchmarks/bench_kernels.py --cascade [--sweep cascade]
     python benchmarks/bench_kernels.py --fused [--batches 1,2,4,8] [--sweep]
 
@@ -884,6 +884,11 @@ def gemv_candidates(name: str, m: int) -> list[SkinnyConfig]:
     dot_tiles = [(32, 128), (64, 64), (64, 128), (128, 64)] if k_contiguous else [(64, 64), (64, 128), (128, 64)]
     for block_n, block_k in dot_tiles:
         around(block_m, block_n, block_k)
+    if m >= 128:  # (a decode step of many sequences: taller tiles read each weight tile for more rows)
+        for bm, bn, bk, warps in [(128, 64, 64, 4), (128, 64, 64, 8), (128, 128, 64, 8), (256, 64, 64, 8),
+                                  (128, 128, 32, 8), (64, 128, 64, 4)]:
+            if bm <= triton.next_power_of_2(m):
+                around(bm, bn, bk, warps)
     if m == 1:
         gemv_tiles = ([(16, 256, 4), (8, 512, 4), (16, 512, 4), (16, 256, 8), (32, 256, 8), (16, 128, 8)]
                       if k_contiguous
@@ -1226,7 +1231,7 @@ def run_fused(sweep_tiles: bool) -> int:
 
 
 def main() -> int:
-    global QUICK, FUSED_BATCHES, GEMV_BATCHES, KV_CACHE_FP8
+    global QUICK, FUSED_BATCHES, GEMV_BATCHES, GEMV_SWEEP_BATCHES, KV_CACHE_FP8
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer decode shapes, shorter timing runs")
     parser.add_argument("--sweep", nargs="?", const="all", choices=("all", "prefill", "decode", "rms_norm", "cascade"),
@@ -1239,12 +1244,14 @@ def main() -> int:
     parser.add_argument("--sampling", action="store_true", help="the sampling table alone")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
                         help="fp8: the decode attention table alone, on float8 e4m3 caches against ours on bf16 caches")
-    parser.add_argument("--batches", type=lambda text: [int(m) for m in text.split(",")], default=GEMV_BATCHES,
-                        help="with --fused or --gemv: the row counts M (default 1,2,4,8,16,32,64)")
+    parser.add_argument("--batches", type=lambda text: [int(m) for m in text.split(",")], default=None,
+                        help="with --fused or --gemv: the row counts M (default 1,2,4,8,16,32,64; and those of "
+                        "--gemv-sweep, default 1,4,16,32,64)")
     args = parser.parse_args()
     QUICK = args.quick
     KV_CACHE_FP8 = args.kv_cache_dtype != "auto"
-    FUSED_BATCHES = GEMV_BATCHES = args.batches
+    if args.batches:
+        FUSED_BATCHES = GEMV_BATCHES = GEMV_SWEEP_BATCHES = args.batches
     if not torch.cuda.is_available():
         print("benchmarks/bench_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
