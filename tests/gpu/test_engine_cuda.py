@@ -385,21 +385,24 @@ def test_cascade_attention_greedy_same_on_and_off(cascade_runs: dict, dtype: str
 
 # ------------------------------------------------------------------------------------------ float8 KV cache
 
-# One greedy run with a given kv_cache_dtype, in a fresh process; prints RESULT and JSON: the tokens, the cache's
-# dtype and blocks, and whether CUDA graphs were captured.
+# One greedy run with a given kv_cache_dtype, in a fresh process; prints RESULT and JSON: the tokens (and with
+# `logprobs`, each token's top-N as {token: logprob}), the cache's dtype and blocks, and whether CUDA graphs were
+# captured.
 GENERATE_KV = r"""
 import json, sys
 from tinyvllm import LLM, SamplingParams
-path, dtype, kv_cache_dtype, enforce_eager, num_tokens, prompts, engine_args = json.loads(sys.argv[1])
+path, dtype, kv_cache_dtype, enforce_eager, num_tokens, prompts, engine_args, logprobs = json.loads(sys.argv[1])
 llm = LLM(path, dtype=dtype, kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager, **engine_args)
 runner = llm.llm_engine.engine_core.model_runner
 attn = runner.model.model.layers[0].self_attn
-tokens = []
+tokens, top = [], []
 if num_tokens:
-    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
-    tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-print("RESULT" + json.dumps(dict(tokens=tokens, cache_dtype=str(attn.k_cache.dtype), num_blocks=runner.num_blocks,
-                                 cuda_graphs=runner.cuda_graphs is not None)))
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True, logprobs=logprobs)
+    for o in llm.generate(prompts, params, use_tqdm=False):
+        tokens.append(list(o.outputs[0].token_ids))
+        top.append([{t: p.logprob for t, p in d.items()} for d in o.outputs[0].logprobs or []])
+print("RESULT" + json.dumps(dict(tokens=tokens, logprobs=top, cache_dtype=str(attn.k_cache.dtype),
+                                 num_blocks=runner.num_blocks, cuda_graphs=runner.cuda_graphs is not None)))
 """
 # The pool sized from the GPU's memory, not capped by max_num_seqs x max_model_len (1024 x 2048 tokens: 131,072
 # blocks, more than 20% of an H100 holds for this model in either dtype).
@@ -407,31 +410,49 @@ CAPACITY_ARGS = dict(skip_tokenizer_init=True, max_model_len=2048, gpu_memory_ut
 
 
 def kv_run(llama_1b: str, dtype: str, kv_cache_dtype: str, eager: bool, num_tokens: int = NUM_TOKENS,
-           engine_args: dict | None = None) -> dict[str, Any]:
+           engine_args: dict | None = None, logprobs: int | None = None) -> dict[str, Any]:
     free_gpu_memory()
     result = run_python(GENERATE_KV, [llama_1b, dtype, kv_cache_dtype, eager, num_tokens, PROMPTS,
-                                      engine_args or ENGINE_ARGS], dict(os.environ), 600)
+                                      engine_args or ENGINE_ARGS, logprobs], dict(os.environ), 600)
     if isinstance(result, str):
         pytest.fail(f"run with kv_cache_dtype={kv_cache_dtype} ({dtype}, {'eager' if eager else 'graphs'}) failed:\n"
                     f"{result}")
     return result
 
 
+def parted_at_near_ties(a: dict[str, Any], b: dict[str, Any]) -> tuple[bool, str]:
+    """vLLM's check_logprobs_close on two greedy runs: each prompt's tokens agree up to the first position where
+    they differ, and there each run's token is among the other's top-N (a near-tie); after it the texts may part."""
+    ok, parted = True, []
+    for tokens_a, tokens_b, top_a, top_b in zip(a["tokens"], b["tokens"], a["logprobs"], b["logprobs"]):
+        position = next((i for i, (x, y) in enumerate(zip(tokens_a, tokens_b)) if x != y), None)
+        if position is not None:
+            x, y = tokens_a[position], tokens_b[position]
+            tie = str(x) in top_b[position] and str(y) in top_a[position]
+            ok &= tie
+            parted.append(f"at {position}: {x} / {y}" + ("" if tie else f", NOT a near-tie: {top_a[position]} / "
+                                                           f"{top_b[position]}"))
+    return ok, "; ".join(parted) or "every token the same"
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fp8_kv_cache_same_tokens_with_cuda_graphs_and_eager(llama_1b: str, dtype: str) -> None:
     """kv_cache_dtype="fp8": the caches are float8 e4m3; CUDA graphs (decode and piecewise, capturing the float8
-    caches) give the tokens of eager steps: in float32 the same, in bfloat16 a flip at a near-tie is reported."""
-    graphs = kv_run(llama_1b, dtype, "fp8", eager=False)
-    eager = kv_run(llama_1b, dtype, "fp8", eager=True)
+    caches) give the tokens of eager steps up to a near-tie (parted_at_near_ties, with the top 5), in float32 too.
+    A float8 cache makes a last-bit difference an e4m3 step wherever a value sits at a rounding boundary, and the
+    graphs' steps do not round as eager's do (padded shapes, other cuBLAS kernels): on an H100 the same float32
+    attention code (the same PTX, compiled for sm_90 from both trees) gave the same 64 tokens at one commit and
+    parted at token 9 of one prompt at the next. A graph that read a wrong cache would part at once, and not at a
+    near-tie."""
+    graphs = kv_run(llama_1b, dtype, "fp8", eager=False, logprobs=5)
+    eager = kv_run(llama_1b, dtype, "fp8", eager=True, logprobs=5)
     for name, run in (("graphs", graphs), ("eager", eager)):
         assert run["cache_dtype"] == "torch.float8_e4m3fn", f"{name}: the cache is {run['cache_dtype']}"
         assert [len(t) for t in run["tokens"]] == [NUM_TOKENS] * len(PROMPTS), name
+        assert [len(t) for t in run["logprobs"]] == [NUM_TOKENS] * len(PROMPTS), name
     assert graphs["cuda_graphs"] and not eager["cuda_graphs"]
-    same, detail = agreement(graphs["tokens"], eager["tokens"])
-    if dtype == "float32":
-        assert same, f"greedy {NUM_TOKENS} tokens in float32 with an fp8 cache: graphs != eager: {detail}"
-    elif not same:
-        pytest.xfail(f"bf16 greedy with an fp8 cache, graphs vs eager (a flip at a near-tie is expected): {detail}")
+    ok, detail = parted_at_near_ties(graphs, eager)
+    assert ok, f"greedy {NUM_TOKENS} tokens in {dtype} with an fp8 cache, graphs vs eager: {detail}"
 
 
 def test_fp8_kv_cache_holds_twice_the_blocks(llama_1b: str) -> None:
