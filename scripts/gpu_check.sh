@@ -3,7 +3,8 @@
 # the GPU tests, then the benchmarks, each part under a time limit so that one that hangs cannot take the rest.
 # Parts: tests, latency, throughput, shared-prefix, serve, serve-floor (default: all, in that order), and for the
 # float8 KV cache (kv_cache_dtype="fp8"): throughput-fp8 (throughput-256 with it: run it beside throughput to
-# compare), tests-fp8 (the GPU tests of its kernels and engine) and kernels-fp8 (decode attention on it), e.g.
+# compare), tests-fp8 (the GPU tests of its kernels and engine), kernels-fp8 (decode attention on it) and sweep-fp8
+# (its decode tiles); products-256 (cuBLAS and our Triton tiles at a 128- and 256-sequence step's rows), e.g.
 #     bash scripts/gpu_check.sh tests latency
 # PYTHON picks the interpreter (default python3); LIMIT_S the seconds per part (default 300, and 900 for the tests:
 # on an H100 the 209 GPU tests took more than 280 s, and the float8 KV cache's engine tests start six engines more).
@@ -26,8 +27,10 @@ for part in "${parts[@]}"; do
         throughput-fp8) command=("$python" benchmarks/throughput.py --trace --no-peer --kv-cache-dtype fp8) ;;
         tests-fp8) command=("$python" -m pytest -q -m cuda -p no:cacheprovider tests/gpu -k fp8) ;;
         kernels-fp8) command=("$python" benchmarks/bench_kernels.py --kv-cache-dtype fp8) ;;
+        sweep-fp8) command=("$python" benchmarks/bench_kernels.py --sweep decode --sweep-only --kv-cache-dtype fp8) ;;
+        products-256) command=("$python" benchmarks/bench_kernels.py --gemv --gemv-sweep --batches 128,256) ;;
         *) echo "unknown part: $part (tests, latency, throughput, shared-prefix, serve, serve-floor," \
-                "throughput-fp8, tests-fp8, kernels-fp8)" >&2; exit 2 ;;
+                "throughput-fp8, tests-fp8, kernels-fp8, sweep-fp8, products-256)" >&2; exit 2 ;;
     esac
     part_limit=$limit
     [ "$part" = tests ] && part_limit=$tests_limit
