@@ -294,6 +294,24 @@ def test_decode_combine_rounding_does_not_depend_on_heads_per_program(monkeypatc
     assert attention.combine_heads(1, 32) == 1 and attention.combine_heads(256, 32) == 32
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn], ids=["float32", "fp8"])
+def test_attention_reads_a_head_major_pool(cache_dtype: torch.dtype) -> None:
+    """The kernels address the pool through its strides: the same values stored [blocks, heads, block_size,
+    head_dim] (bench_kernels.py times that layout against the engine's) give the same bits, decode and prefill."""
+    q, k_cache, v_cache, meta = _paged_batch([1, 1, 1], [300, 17, 70], 8, 2, 64, 16, torch.float32)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)  # (unowned slots NaN, as _paged_batch makes)
+    head_major = [c.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for c in (k_cache, v_cache)]
+    assert head_major[0].stride(2) == 16 * 64 and torch.equal(head_major[0].float().nan_to_num(),
+                                                              k_cache.float().nan_to_num())
+    decode = paged_attention_triton(q, k_cache, v_cache, meta, 0.125)
+    assert torch.equal(paged_attention_triton(q, *head_major, meta, 0.125), decode)
+    q, k_cache, v_cache, meta = _paged_batch([5, 1, 16], [20, 33, 16], 8, 2, 64, 16, torch.float32)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    head_major = [c.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for c in (k_cache, v_cache)]
+    prefill = paged_prefill_triton(q, k_cache, v_cache, meta, 0.125, config=(16, 16, 4, 1))
+    assert torch.equal(paged_prefill_triton(q, *head_major, meta, 0.125, config=(16, 16, 4, 1)), prefill)
+
+
 def test_decode_num_splits_heuristic() -> None:
     # batch 1, long context: many splits, of at least one 64-key tile; a big batch: one split (no combine pass)
     assert 16 <= decode_num_splits(1, 8, 8192) <= 64
