@@ -295,21 +295,37 @@ def test_decode_combine_rounding_does_not_depend_on_heads_per_program(monkeypatc
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn], ids=["float32", "fp8"])
-def test_attention_reads_a_head_major_pool(cache_dtype: torch.dtype) -> None:
-    """The kernels address the pool through its strides: the same values stored [blocks, heads, block_size,
-    head_dim] (bench_kernels.py times that layout against the engine's) give the same bits, decode and prefill."""
-    q, k_cache, v_cache, meta = _paged_batch([1, 1, 1], [300, 17, 70], 8, 2, 64, 16, torch.float32)
-    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)  # (unowned slots NaN, as _paged_batch makes)
-    head_major = [c.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for c in (k_cache, v_cache)]
-    assert head_major[0].stride(2) == 16 * 64 and torch.equal(head_major[0].float().nan_to_num(),
-                                                              k_cache.float().nan_to_num())
-    decode = paged_attention_triton(q, k_cache, v_cache, meta, 0.125)
-    assert torch.equal(paged_attention_triton(q, *head_major, meta, 0.125), decode)
-    q, k_cache, v_cache, meta = _paged_batch([5, 1, 16], [20, 33, 16], 8, 2, 64, 16, torch.float32)
-    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
-    head_major = [c.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for c in (k_cache, v_cache)]
-    prefill = paged_prefill_triton(q, k_cache, v_cache, meta, 0.125, config=(16, 16, 4, 1))
-    assert torch.equal(paged_prefill_triton(q, *head_major, meta, 0.125, config=(16, 16, 4, 1)), prefill)
+def test_kernels_on_a_head_major_pool(cache_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels address the pool through its strides: a pool stored [blocks, heads, block_size, head_dim]
+    (ops.kv_pool with TINYVLLM_KV_HEAD_MAJOR=1) gets the same values from the stores (the RoPE + KV-store kernel
+    and store_kv_ref), and gives decode and prefill attention the same bits."""
+    import tinyvllm.ops as ops
+
+    def pools(head_major: bool, like: torch.Tensor) -> list[torch.Tensor]:
+        monkeypatch.setattr(ops, "_KV_HEAD_MAJOR", head_major)
+        made = [ops.kv_pool(*like.shape[1:], cache_dtype, torch.device("cpu")) for _ in range(2)]
+        for pool, values in zip(made, like):
+            pool.copy_(values.to(cache_dtype))
+        return made
+
+    positions, q, k, v, cos_sin, caches, slots = _rotary_case(4, 2, 64, torch.float32, torch.float32)
+    for store in (rotary_embedding_and_store_triton, rotary_embedding_and_store_ref):
+        plain, head_major = pools(False, caches), pools(True, caches)
+        assert plain[0].is_contiguous() and head_major[0].stride(2) == caches.shape[2] * caches.shape[4]
+        store(positions, q.clone(), k, v, cos_sin, *plain, slots)
+        store(positions, q.clone(), k, v, cos_sin, *head_major, slots)
+        for a, b in zip(plain, head_major):
+            assert torch.equal(a.float(), b.float()), store.__name__
+    for query_lens, context_lens in (([1, 1, 1], [300, 17, 70]), ([5, 1, 16], [20, 33, 16])):
+        q, k_cache, v_cache, meta = _paged_batch(query_lens, context_lens, 8, 2, 64, 16, torch.float32)
+        caches = torch.stack([k_cache, v_cache])  # (unowned slots NaN, as _paged_batch makes them)
+        plain, head_major = pools(False, caches), pools(True, caches)
+        if meta.is_decode:
+            out = paged_attention_triton(q, *plain, meta, 0.125)
+            assert torch.equal(paged_attention_triton(q, *head_major, meta, 0.125), out)
+        else:
+            out = paged_prefill_triton(q, *plain, meta, 0.125, config=(16, 16, 4, 1))
+            assert torch.equal(paged_prefill_triton(q, *head_major, meta, 0.125, config=(16, 16, 4, 1)), out)
 
 
 def test_decode_num_splits_heuristic() -> None:

@@ -258,14 +258,14 @@ class LlamaForCausalLM(nn.Module):
         return 2 * len(self.model.layers) * block_size * attn.num_kv_heads * attn.head_dim * dtype.itemsize
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Give every layer its K and V pools, [num_blocks, block_size, kv_heads, head_dim] each, in `dtype` (the
-        model's, or float8 e4m3: the ops convert on store and load); num_blocks=0: drop them, to measure memory
-        without them."""
+        """Give every layer its K and V pools, [num_blocks, block_size, kv_heads, head_dim] each (ops.kv_pool), in
+        `dtype` (the model's, or float8 e4m3: the ops convert on store and load); num_blocks=0: drop them, to
+        measure memory without them."""
         for layer in self.model.layers:
             attn = layer.self_attn
             shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache = torch.zeros(shape, dtype=dtype, device=device) if num_blocks else torch.empty(0)
-            attn.v_cache = torch.zeros(shape, dtype=dtype, device=device) if num_blocks else torch.empty(0)
+            attn.k_cache = ops.kv_pool(*shape, dtype, device) if num_blocks else torch.empty(0)
+            attn.v_cache = ops.kv_pool(*shape, dtype, device) if num_blocks else torch.empty(0)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] for every token of the flat batch."""

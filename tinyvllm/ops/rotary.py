@@ -68,8 +68,9 @@ def store_kv_ref(
     skipped. In place."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = to_cache_dtype_ref(k[valid], k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = to_cache_dtype_ref(v[valid], v_cache.dtype)
+    blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]  # (indexed so: any layout of the pool)
+    k_cache[blocks, offsets] = to_cache_dtype_ref(k[valid], k_cache.dtype)
+    v_cache[blocks, offsets] = to_cache_dtype_ref(v[valid], v_cache.dtype)
 
 
 def rotary_embedding_ref(
