@@ -42,6 +42,7 @@ __all__ = [
     "silu_and_mul",
     "skinny_matmul",
     "paged_attention",
+    "kv_pool",
     "sample",
     "triton_available",
     "unpack_decode_inputs",
