@@ -106,13 +106,14 @@ def test_decode_kernel_rows_override() -> None:
             _override_decode_kernel_rows(table, bad)
 
 
-def _rope_case(m: int, seed: int) -> tuple[Any, ...]:
-    """A qkv product of 4 q heads and 1 KV head of dim 8 (K = 48; 24 pairs of head halves, not a power of two), a
-    cache of 3 blocks of 4 slots with random contents, and slots that include -1 (a padding row: nothing stored)."""
+def _rope_case(m: int, seed: int, kv_heads: int = 1) -> tuple[Any, ...]:
+    """A qkv product of 4 q heads and `kv_heads` KV heads of dim 8 (one: 48 outputs, 24 pairs of head halves, not a
+    power of two), a cache of 3 blocks of 4 slots with random contents, and slots that include -1 (a padding row:
+    nothing stored)."""
     from tinyvllm.ops.rotary import RopeStore, build_cos_sin_cache
 
     torch.manual_seed(seed)
-    q_heads, kv_heads, head_dim = 4, 1, 8
+    q_heads, head_dim = 4, 8
     x, residual, norm_weight = torch.randn(m, K), torch.randn(m, K), 1 + 0.1 * torch.randn(K)
     w = torch.randn((q_heads + 2 * kv_heads) * head_dim, K)
     caches = torch.randn(2, 3, 4, kv_heads, head_dim)
@@ -154,6 +155,18 @@ def test_rope_store_without_the_gemv() -> None:
     y, _ = fused_norm_linear_triton(x, residual, norm_weight, EPS, w, config=SkinnyConfig(16, 16, 16, 1), rope=rope)
     _close(y, ref)
     _close(caches, ref_caches)
+
+
+def test_rope_store_epilogue_into_a_head_major_pool() -> None:
+    """The epilogue addresses the KV pool through its strides: into a pool of 2 KV heads stored [blocks, heads,
+    block_size, head_dim] (ops.kv_pool with TINYVLLM_KV_HEAD_MAJOR=1) it stores what it stores into the default one."""
+    x, residual, norm_weight, w, caches, rope = _rope_case(2, seed=3, kv_heads=2)
+    head_major = caches.transpose(2, 3).contiguous().transpose(2, 3)
+    assert head_major.stride(3) == caches.shape[2] * caches.shape[4] and torch.equal(head_major, caches)
+    for pools in (caches, head_major):
+        fused_norm_linear_triton(x, residual, norm_weight, EPS, w, config=GemvConfig(16),
+                                 rope=rope._replace(k_cache=pools[0], v_cache=pools[1]))
+    assert torch.equal(head_major, caches) and not torch.equal(caches, _rope_case(2, seed=3, kv_heads=2)[4])
 
 
 @pytest.mark.usefixtures("fp8_casts_as_on_the_gpu")
