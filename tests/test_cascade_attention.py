@@ -110,6 +110,19 @@ def test_cascade_equals_plain_kernel_and_reference(case: str) -> None:
     _close(out, paged_decode_triton(q, k_cache, v_cache, _plain(meta), scale))
 
 
+def test_cascade_on_a_head_major_pool() -> None:
+    """Both passes address the pool through its strides: stored [blocks, heads, block_size, head_dim]
+    (ops.kv_pool with TINYVLLM_KV_HEAD_MAJOR=1) it gives the same bits."""
+    prefix_len, suffixes, num_q_heads, num_kv_heads, prefix_splits, splits, config, prefix_config = \
+        CASES["row tiles and splits"]
+    q, k_cache, v_cache, meta = shared_prefix_batch(prefix_len, suffixes, num_q_heads, num_kv_heads)
+    plan = cascade_plan(q, k_cache, meta, prefix_splits, splits, config, prefix_config)
+    out = cascade_attention_triton(q, k_cache, v_cache, meta, 0.2, plan)
+    k_major, v_major = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k_cache, v_cache))
+    assert k_major.stride(2) == k_cache.shape[1] * k_cache.shape[3]
+    assert torch.equal(cascade_attention_triton(q, k_major, v_major, meta, 0.2, plan), out)
+
+
 @pytest.mark.parametrize("kernel", ["triton", "reference"])
 def test_attention_writes_into_out(kernel: str) -> None:
     """`out=` (the piecewise CUDA graphs pass their shared buffer): a prefill batch, a decode batch and a cascade
