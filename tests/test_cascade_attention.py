@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from tests.utils import assert_bf16_attention_close, save_tiny_llama, tiny_llm  # noqa: E402
+from tests.utils import assert_bf16_attention_close, head_major, save_tiny_llama, tiny_llm  # noqa: E402
 from tinyvllm import SamplingParams  # noqa: E402
 from tinyvllm.contract import NewSequence, SchedulerOutput  # noqa: E402
 from tinyvllm.ops import AttentionMetadata  # noqa: E402
@@ -118,7 +118,7 @@ def test_cascade_on_a_head_major_pool() -> None:
     q, k_cache, v_cache, meta = shared_prefix_batch(prefix_len, suffixes, num_q_heads, num_kv_heads)
     plan = cascade_plan(q, k_cache, meta, prefix_splits, splits, config, prefix_config)
     out = cascade_attention_triton(q, k_cache, v_cache, meta, 0.2, plan)
-    k_major, v_major = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k_cache, v_cache))
+    k_major, v_major = head_major(k_cache), head_major(v_cache)
     assert k_major.stride(2) == k_cache.shape[1] * k_cache.shape[3]
     assert torch.equal(cascade_attention_triton(q, k_major, v_major, meta, 0.2, plan), out)
 

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from tests.utils import count_gemv_launches  # noqa: E402
+from tests.utils import count_gemv_launches, head_major  # noqa: E402
 from tinyvllm.ops.fused_linear import (  # noqa: E402
     fused_linear_ref,
     fused_linear_triton,
@@ -161,12 +161,12 @@ def test_rope_store_epilogue_into_a_head_major_pool() -> None:
     """The epilogue addresses the KV pool through its strides: into a pool of 2 KV heads stored [blocks, heads,
     block_size, head_dim] (ops.kv_pool with TINYVLLM_KV_HEAD_MAJOR=1) it stores what it stores into the default one."""
     x, residual, norm_weight, w, caches, rope = _rope_case(2, seed=3, kv_heads=2)
-    head_major = caches.transpose(2, 3).contiguous().transpose(2, 3)
-    assert head_major.stride(3) == caches.shape[2] * caches.shape[4] and torch.equal(head_major, caches)
-    for pools in (caches, head_major):
+    moved = head_major(caches)
+    assert moved.stride(3) == caches.shape[2] * caches.shape[4] and torch.equal(moved, caches)
+    for pools in (caches, moved):
         fused_norm_linear_triton(x, residual, norm_weight, EPS, w, config=GemvConfig(16),
                                  rope=rope._replace(k_cache=pools[0], v_cache=pools[1]))
-    assert torch.equal(head_major, caches) and not torch.equal(caches, _rope_case(2, seed=3, kv_heads=2)[4])
+    assert torch.equal(moved, caches) and not torch.equal(caches, _rope_case(2, seed=3, kv_heads=2)[4])
 
 
 @pytest.mark.usefixtures("fp8_casts_as_on_the_gpu")

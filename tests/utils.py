@@ -149,6 +149,12 @@ def assert_bf16_attention_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert relative_error(out, ref) <= 1e-2
 
 
+def head_major(pools: torch.Tensor) -> torch.Tensor:
+    """The same values and shape as pools [..., blocks, block_size, heads, head_dim], stored [..., blocks, heads,
+    block_size, head_dim] in memory (ops.kv_pool's layout with TINYVLLM_KV_HEAD_MAJOR=1)."""
+    return pools.transpose(-3, -2).contiguous().transpose(-3, -2)
+
+
 def attention_metadata(query_lens: list[int], context_lens: list[int], block_tables: torch.Tensor) -> AttentionMetadata:
     return AttentionMetadata.for_cached(query_lens, context_lens, block_tables)
 
