@@ -29,7 +29,7 @@
 
     python benchmarks/bench_kernels.py [--quick] [--sweep [prefill|decode|rms_norm] [--sweep-only]]
     python benchmarks/bench_kernels.py --kv-cache-dtype fp8 [--quick]   (decode attention alone: float8 vs bf16 caches,
-                                                                         and each on a head-major pool)
+                                                                         and each in the other pool layout)
     python benchmarks/bench_kernels.py --gemv [--gemv-sweep] [--batches 128,256]   (--batches: the rows of both)
     python benchmarks/bench_kernels.py --cascade [--sweep cascade]
     python benchmarks/bench_kernels.py --fused [--batches 1,2,4,8] [--sweep]
@@ -65,6 +65,7 @@ import triton.testing  # noqa: E402
 from common import attention_metadata as metadata  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
+from tinyvllm.ops import kv_pool  # noqa: E402
 from tinyvllm.ops.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from tinyvllm.ops.attention import (  # noqa: E402
     decode_config,
@@ -180,23 +181,26 @@ def copy_ceiling() -> float:
 
 def paged_from_contiguous(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """k, v [B, Hk, L, D] (L a multiple of BLOCK_SIZE) -> (k_cache, v_cache, block_tables) holding the same
-    values in blocks of a randomly permuted pool."""
+    values in blocks of a randomly permuted pool, laid out as the engine lays out its pools (ops.kv_pool)."""
     batch, kv_heads, length, head_dim = k.shape
     blocks_per_seq = length // BLOCK_SIZE
     order = torch.randperm(batch * blocks_per_seq, device=DEVICE)
     block_tables = order.view(batch, blocks_per_seq).int()
     caches = []
     for t in (k, v):
-        cache = torch.empty(batch * blocks_per_seq, BLOCK_SIZE, kv_heads, head_dim, dtype=t.dtype, device=DEVICE)
+        cache = kv_pool(batch * blocks_per_seq, BLOCK_SIZE, kv_heads, head_dim, t.dtype, DEVICE)
         cache[order] = t.permute(0, 2, 1, 3).reshape(batch * blocks_per_seq, BLOCK_SIZE, kv_heads, head_dim)
         caches.append(cache)
     return caches[0], caches[1], block_tables
 
 
-def head_major(cache: torch.Tensor) -> torch.Tensor:
-    """A pool [blocks, block_size, heads, head_dim] with the same values and shape, stored [blocks, heads, block_size,
-    head_dim] in memory (the kernels read it through its strides)."""
-    return cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+def other_layout(cache: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """A pool [blocks, block_size, heads, head_dim] with the same values and shape in the layout the engine does not
+    use (token-major: [blocks, block_size, heads, head_dim] in memory; head-major: [blocks, heads, block_size,
+    head_dim]), and that layout's name: the kernels read either through the strides."""
+    if cache.is_contiguous():
+        return cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3), "head-major"
+    return cache.contiguous(), "token-major"
 
 
 def sdpa(backend: SDPBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Callable | None:
@@ -256,8 +260,8 @@ def bench_prefill(table: Table) -> None:
 def bench_decode(table: Table, ceiling: float) -> None:
     """Ours against SDPA flash on contiguous KV; with --kv-cache-dtype fp8, ours on float8 caches against ours on
     bf16 caches of the same values (both in GB/s of the bf16 K+V they stand for, so ours/peer is the speedup; the
-    copy-ceiling column is left out, since the float8 kernel reads half those bytes), then each on a head-major pool
-    against the engine's."""
+    copy-ceiling column is left out, since the float8 kernel reads half those bytes), then each in the layout the
+    engine does not use against the engine's."""
     scale = HEAD_DIM**-0.5
     batches, contexts = DECODE_BATCHES, DECODE_CONTEXTS
     if QUICK:
@@ -289,11 +293,12 @@ def bench_decode(table: Table, ceiling: float) -> None:
                 fp8_gbps = kv_bytes / bench_graph(lambda fp8_sets=fp8_sets: ours(fp8_sets), copies) / 1e6
                 bf16_gbps = kv_bytes / bench_graph(ours, copies) / 1e6
                 table.add(case.replace("KV,", "bf16 KV as fp8,"), fp8_gbps, "tinyvllm, bf16 cache", bf16_gbps)
-                # The same pools head-major in memory (the kernels take any strides): whether a head's block as one
-                # run of bytes (1 KiB in float8, where the engine's pool has 64-byte rows 512 bytes apart) reads faster.
+                # The same pools in the other layout (head-major: a head's block one run of bytes, 1 KiB in float8;
+                # token-major: 64-byte float8 rows 512 bytes apart), to show what the engine's layout is worth.
                 for name, pools, gbps in (("fp8", fp8_sets, fp8_gbps), ("bf16", sets, bf16_gbps)):
-                    moved = [(q, head_major(k), head_major(v), meta, None, None) for q, k, v, meta, _, _ in pools]
-                    table.add(case.replace("KV,", f"bf16 KV as {name}, head-major pool,"),
+                    moved = [(q, other_layout(k)[0], other_layout(v)[0], meta, None, None)
+                             for q, k, v, meta, _, _ in pools]
+                    table.add(case.replace("KV,", f"bf16 KV as {name}, {other_layout(pools[0][1])[1]} pool,"),
                               kv_bytes / bench_graph(lambda moved=moved: ours(moved), copies) / 1e6,
                               f"tinyvllm, {name}, the engine's pool", gbps)
                     del moved
@@ -334,8 +339,7 @@ def shared_prefix_step(batch: int, prefix_len: int, suffix_lens: list[int]) -> t
     for i, n in enumerate(own):
         tables[i, prefix_blocks:prefix_blocks + n] = order[start:start + n]
         start += n
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    k_cache, v_cache = torch.randn(shape, device=DEVICE, dtype=DTYPE), torch.randn(shape, device=DEVICE, dtype=DTYPE)
+    k_cache, v_cache = (kv_pool(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, DTYPE, DEVICE).normal_() for _ in "kv")
     q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
     plain = metadata([1] * batch, [prefix_len + s for s in suffix_lens], tables)
     cascade = dataclasses.replace(plain, common_prefix_len=torch.tensor([prefix_len], dtype=torch.int32,

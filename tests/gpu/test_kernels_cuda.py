@@ -26,6 +26,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from tests.utils import CUDA_ONLY, attention_metadata, relative_error  # noqa: E402
+from tinyvllm.ops import kv_pool  # noqa: E402
 from tinyvllm.ops.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from tinyvllm.ops.attention import AttentionMetadata, paged_attention_ref, paged_attention_triton  # noqa: E402
 from tinyvllm.ops.cascade_attention import cascade_attention_triton  # noqa: E402
@@ -203,10 +204,16 @@ def test_silu_and_mul(dtype: torch.dtype, tokens: int) -> None:
                  silu_and_mul_ref(gate_up.float()), dtype)
 
 
+def random_pool(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """A K or V pool of random values, laid out as the engine lays out its pools (ops.kv_pool)."""
+    pool = kv_pool(num_blocks, block_size, num_kv_heads, head_dim, dtype, torch.device(DEVICE))
+    return pool.copy_(torch.randn(pool.shape, device=DEVICE))
+
+
 def random_cache_slots(tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A random K and V cache with room to spare, and distinct slots for `tokens` tokens, 5% padding (-1)."""
     num_blocks = tokens // BLOCK_SIZE + 64
-    k_cache = torch.randn(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device=DEVICE).to(dtype)
+    k_cache = random_pool(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype)
     slots = torch.randperm(num_blocks * BLOCK_SIZE, device=DEVICE)[:tokens]
     slots[torch.rand(tokens, device=DEVICE) < 0.05] = -1
     return k_cache, torch.randn_like(k_cache), slots
@@ -260,9 +267,7 @@ def paged_batch(
         block_tables[i, : len(blocks)] = blocks.int()
         positions = torch.arange(context_len, device=DEVICE)
         owned[blocks[positions // block_size], positions % block_size] = True
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, device=DEVICE).to(dtype)
-    v_cache = torch.randn(shape, device=DEVICE).to(dtype)
+    k_cache, v_cache = (random_pool(num_blocks, block_size, num_kv_heads, head_dim, dtype) for _ in "kv")
     k_cache[~owned], v_cache[~owned] = float("nan"), float("nan")
     q = torch.randn(sum(query_lens), num_q_heads, head_dim, device=DEVICE).to(dtype)
     return q, k_cache, v_cache, attention_metadata(query_lens, context_lens, block_tables)
@@ -386,7 +391,7 @@ def test_decode_attention_reads_the_kv_stored_just_before(m: int, cos_sin_cache:
         x.copy_(rand(m, k, generator=generator, dtype=dtype))
         residual.copy_(rand(m, k, generator=generator, dtype=dtype))
         for cache in (k_cache, v_cache):
-            cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots] = float("nan")
+            cache[slots // BLOCK_SIZE, slots % BLOCK_SIZE] = float("nan")
         graph.replay()
         torch.cuda.synchronize()
         ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, scale)
@@ -443,9 +448,7 @@ def shared_prefix_batch(
         block_tables[i, prefix_blocks:prefix_blocks + len(blocks)] = blocks.int()
         positions = torch.arange(suffix_len, device=DEVICE)
         owned[blocks[positions // BLOCK_SIZE], positions % BLOCK_SIZE] = True
-    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, device=DEVICE).to(dtype)
-    v_cache = torch.randn(shape, device=DEVICE).to(dtype)
+    k_cache, v_cache = (random_pool(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, dtype) for _ in "kv")
     k_cache[~owned], v_cache[~owned] = float("nan"), float("nan")
     q = torch.randn(num_seqs, num_q_heads, head_dim, device=DEVICE).to(dtype)
     meta = attention_metadata([1] * num_seqs, [prefix_len + s for s in suffix_lens] + [0] * padding, block_tables)

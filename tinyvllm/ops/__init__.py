@@ -4,7 +4,8 @@ plain-PyTorch reference (`*_ref`) and, where Triton is available, a Triton kerne
 same signature. The names exported here pick the Triton kernel for CUDA tensors and the reference
 otherwise; TINYVLLM_REFERENCE_OPS=1 forces the references everywhere (to check the kernels against them
 on a GPU). use_decode_kernel says when the model runs a product on the fused kernels instead of cuBLAS;
-TINYVLLM_SKINNY=0 turns them off. kv_pool allocates a layer's K or V pool (TINYVLLM_KV_HEAD_MAJOR=1: head-major)."""
+TINYVLLM_SKINNY=0 turns them off. kv_pool allocates a layer's K or V pool, head-major
+(TINYVLLM_KV_HEAD_MAJOR=0: token-major)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ __all__ = [
 
 _FORCE_REFERENCE = os.environ.get("TINYVLLM_REFERENCE_OPS", "0") == "1"
 _DECODE_KERNELS_OFF = os.environ.get("TINYVLLM_SKINNY", "1") == "0"
-_KV_HEAD_MAJOR = os.environ.get("TINYVLLM_KV_HEAD_MAJOR", "0") == "1"
+_KV_HEAD_MAJOR = os.environ.get("TINYVLLM_KV_HEAD_MAJOR", "1") == "1"
 
 # Each product runs on our decode kernels (fused_linear.py) for up to this many rows (tokens), on cuBLAS above:
 # the crossovers that benchmarks/bench_kernels.py --fused measures against what the model runs otherwise
@@ -164,10 +165,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def kv_pool(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
             device: torch.device) -> torch.Tensor:
-    """A zeroed K or V pool, [num_blocks, block_size, num_kv_heads, head_dim] as every op indexes it. Stored so too,
-    unless TINYVLLM_KV_HEAD_MAJOR=1: then [num_blocks, num_kv_heads, block_size, head_dim] in memory behind the same
-    view (the ops address the pool through its strides), each head's block one run of bytes, to measure that
-    layout against this one (bench_kernels.py --kv-cache-dtype fp8 times both)."""
+    """A zeroed K or V pool, [num_blocks, block_size, num_kv_heads, head_dim] as every op indexes it, stored
+    [num_blocks, num_kv_heads, block_size, head_dim] in memory (the ops address it through its strides): each head's
+    block is one run of bytes (1 KiB in float8 at head_dim 64) where token-major rows would be 64-128 bytes a block
+    apart, which the decode kernel reads faster (benchmarks/RESULTS.md). TINYVLLM_KV_HEAD_MAJOR=0 stores it
+    token-major, to compare."""
     if not _KV_HEAD_MAJOR:
         return torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
     return torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device).transpose(1, 2)
