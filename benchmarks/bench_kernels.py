@@ -803,6 +803,19 @@ def time_cublas(name: str, weights: list[torch.Tensor], x: torch.Tensor) -> floa
     return graph_us(lambda: [peer(x, w) for w in weights], len(weights), _estimate_us(name))
 
 
+def time_cublaslt(name: str, weights: list[torch.Tensor], x: torch.Tensor) -> str:
+    """time_cublas with torch's matmul sent to cuBLASLt (torch.backends.cuda.preferred_blas_library), whose
+    heuristics may pick other kernels (split-K among them) than cuBLAS's at a few hundred rows; '-' where refused."""
+    before = torch.backends.cuda.preferred_blas_library()
+    try:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        return f"{time_cublas(name, weights, x):.2f}"
+    except RuntimeError:
+        return "-"
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
 def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.double() - ref).norm() / ref.norm())
 
@@ -861,7 +874,7 @@ def bench_gemv(ceiling: float) -> dict[tuple[str, int], tuple[float, float]]:
             other = "-" if output_major is None else f"{time_cublas(name, output_major, x):.2f}"
             rows.append((f"{name} {n}x{k}", str(m), describe(gemv_config(name, m)), f"{ours:.2f}", f"{ours_gbps:,.0f}",
                          f"{peer:.2f}", f"{peer_gbps:,.0f}", f"{peer / ours:.2f}x", f"{100 * ours_gbps / ceiling:.0f}%",
-                         f"{100 * peer_gbps / ceiling:.0f}%", other))
+                         f"{100 * peer_gbps / ceiling:.0f}%", other, time_cublaslt(name, weights, x)))
             print("  " + "  ".join(rows[-1]), flush=True)
         del weights, output_major
         torch.cuda.empty_cache()
@@ -869,7 +882,7 @@ def bench_gemv(ceiling: float) -> dict[tuple[str, int], tuple[float, float]]:
           f"(GB/s of weight read; copy ceiling {ceiling:.0f} GB/s)\n")
     print_columns(("product NxK", "M", "config (MxNxK tile, split, warps, stages)", "ours us", "ours GB/s",
                    "cuBLAS us", "cuBLAS GB/s", "cuBLAS/ours", "ours of copy", "cuBLAS of copy",
-                   "cuBLAS us, weight [N, K] contiguous"), rows)
+                   "cuBLAS us, weight [N, K] contiguous", "cuBLASLt us"), rows)
     print("\nCrossover (cuBLAS/ours > 1: ours faster):")
     for name in GEMV_SHAPES:
         slower = [m for m in GEMV_BATCHES if results[name, m][0] > results[name, m][1]]
