@@ -467,8 +467,9 @@ def sweep_cascade() -> None:
 
 
 def cascade_passes() -> None:
-    """Microseconds of each of cascade attention's three launches at its default plan: the prefix pass alone, the
-    suffix pass alone, and the combine as what the whole adds to the two."""
+    """Microseconds of each of cascade attention's passes at its default plan: the prefix pass alone, the suffix pass
+    alone (unmerged), and the merge as what the whole adds to the two (the combine kernel; with one suffix piece the
+    suffix pass's own merge, less the partials it then does not write)."""
     import tinyvllm.ops.cascade_attention as cascade
 
     scale = HEAD_DIM**-0.5
@@ -502,8 +503,9 @@ def cascade_passes() -> None:
         finally:
             cascade.launch_decode = launch_decode
         suffix_us = bench_graph(suffix, len(sets)) * 1e3
+        merge = "suffix pass's merge" if plan.num_splits == 1 else "combine"
         print(f"  B={batch}: whole {whole_us:.1f} = prefix pass {prefix_us:.1f} + suffix pass {suffix_us:.1f} "
-              f"+ combine {whole_us - partials_us:.1f} (the two passes together {partials_us:.1f})", flush=True)
+              f"+ {merge} {whole_us - partials_us:.1f} (the two passes unmerged {partials_us:.1f})", flush=True)
         del sets
         torch.cuda.empty_cache()
 

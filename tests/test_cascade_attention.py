@@ -16,8 +16,8 @@ pytest.importorskip("triton")
 from tests.utils import assert_bf16_attention_close, head_major, save_tiny_llama, tiny_llm  # noqa: E402
 from tinyvllm import SamplingParams  # noqa: E402
 from tinyvllm.contract import NewSequence, SchedulerOutput  # noqa: E402
-from tinyvllm.ops import AttentionMetadata  # noqa: E402
-from tinyvllm.ops.attention import paged_attention_ref, paged_decode_triton  # noqa: E402
+from tinyvllm.ops import AttentionMetadata, cascade_attention  # noqa: E402
+from tinyvllm.ops.attention import launch_combine, paged_attention_ref, paged_decode_triton  # noqa: E402
 from tinyvllm.ops.cascade_attention import (  # noqa: E402
     CASCADE_MIN_PREFIX_TOKENS,
     CASCADE_MIN_SEQS,
@@ -121,6 +121,28 @@ def test_cascade_on_a_head_major_pool() -> None:
     k_major, v_major = head_major(k_cache), head_major(v_cache)
     assert k_major.stride(2) == k_cache.shape[1] * k_cache.shape[3]
     assert torch.equal(cascade_attention_triton(q, k_major, v_major, meta, 0.2, plan), out)
+
+
+def test_suffix_pass_merges_the_prefix_when_each_suffix_is_one_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one suffix split the suffix pass merges the prefix pass's pieces itself and no combine is launched: the
+    same sums in the same order as the combine kernel over the three launches' partials, so the same bits; an idle
+    sequence and a padding row (zeros) included."""
+    prefix_len, suffixes, num_q_heads, num_kv_heads, prefix_splits, _, config, prefix_config = \
+        CASES["row tiles and splits"]
+    q, k_cache, v_cache, meta = shared_prefix_batch(prefix_len, suffixes, num_q_heads, num_kv_heads, idle=(2,),
+                                                    padding=1)
+    plan = cascade_plan(q, k_cache, meta, prefix_splits, 1, config, prefix_config)
+    partial_out, partial_lse = cascade_partials_triton(q, k_cache, v_cache, meta, 0.2, plan)
+    three = torch.full(q.shape, float("nan"))
+    launch_combine(three, partial_out, partial_lse, meta, 1, plan.min_partition, plan.decode_config[0],
+                   meta.common_prefix_len, plan.num_prefix_splits)
+    combines = []
+    monkeypatch.setattr(cascade_attention, "launch_combine", lambda *args, **kwargs: combines.append(args))
+    merged = cascade_attention_triton(q, k_cache, v_cache, meta, 0.2, plan)
+    assert not combines
+    assert torch.equal(merged, three)
+    _close(merged, paged_attention_ref(q, k_cache, v_cache, _plain(meta), 0.2))
+    assert bool((merged[-1] == 0).all())
 
 
 @pytest.mark.parametrize("kernel", ["triton", "reference"])

@@ -339,7 +339,9 @@ if triton is not None:
     # context 0) gets zeros, as in the reference.
     # SKIP_PREFIX (cascade attention's suffix pass): the keys start at *prefix_len_ptr instead of 0, the
     # splits cut context_len - prefix_len, and split s's partial goes to slot num_prefix_splits + s of the
-    # num_prefix_splits + num_splits slots per row (the prefix pass fills the first ones).
+    # num_prefix_splits + num_splits slots per row (the prefix pass fills the first ones). MERGE_PREFIX (with
+    # SKIP_PREFIX and one split): the program merges the prefix pass's pieces with its own result and writes the
+    # output, as the combine kernel would (the same sums in the same order), which then is not launched.
     @triton.jit(do_not_specialize=["stride_table", "num_splits", "num_prefix_splits"])
     def _paged_decode_kernel(
         out_ptr, partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
@@ -348,7 +350,8 @@ if triton is not None:
         stride_vb, stride_vs, stride_vh, stride_table, qk_scale, num_q_heads, num_splits, min_partition,
         num_prefix_splits,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        HEAD_DIM: tl.constexpr, SINGLE_SPLIT: tl.constexpr, SKIP_PREFIX: tl.constexpr, USE_PDL: tl.constexpr,
+        HEAD_DIM: tl.constexpr, SINGLE_SPLIT: tl.constexpr, SKIP_PREFIX: tl.constexpr, MERGE_PREFIX: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         # Before the wait, what the kernel before (qkv's product, storing this step's K and V) cannot change: the
         # batch's layout, written before the step, and where this piece's keys are; their lines are prefetched
@@ -380,7 +383,7 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         token = token.to(tl.int64)
         out_ptrs = out_ptr + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        if SINGLE_SPLIT:  # with several splits the combine kernel writes the zeros
+        if SINGLE_SPLIT or MERGE_PREFIX:  # with several splits the combine kernel writes the zeros
             if (context_len <= 0) & (query_len > 0):
                 zeros = tl.zeros([BLOCK_G, HEAD_DIM], dtype=out_ptr.dtype.element_ty)
                 tl.store(out_ptrs, zeros, mask=row_valid[:, None])
@@ -394,6 +397,21 @@ if triton is not None:
                                 qk_scale, BLOCK_G, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
         if SINGLE_SPLIT:
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+        elif MERGE_PREFIX:
+            rows_slots = (seq * num_q_heads + head).to(tl.int64) * num_slots  # each row's first slot
+            pieces = _prefix_pieces(key_start, num_prefix_splits, min_partition, BLOCK_N)
+            top = lse
+            for slot in range(0, pieces):
+                top = tl.maximum(top, tl.load(partial_lse_ptr + rows_slots + slot, mask=row_valid, other=float("-inf")))
+            acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+            total = tl.zeros([BLOCK_G], dtype=tl.float32)
+            for slot in range(0, pieces):
+                piece_lse = tl.load(partial_lse_ptr + rows_slots + slot, mask=row_valid, other=float("-inf"))
+                piece = tl.load(partial_out_ptr + (rows_slots + slot)[:, None] * HEAD_DIM + offs_d[None, :],
+                                mask=row_valid[:, None], other=0.0)
+                acc, total = _merge_piece(acc, total, piece, piece_lse, top)
+            acc, total = _merge_piece(acc, total, out, lse, top)
+            tl.store(out_ptrs, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
         else:
             part = (seq * num_q_heads + head).to(tl.int64) * num_slots + first_slot + split
             _store_partial(partial_out_ptr, partial_lse_ptr, part, out, lse, row_valid, HEAD_DIM)
@@ -407,12 +425,24 @@ if triton is not None:
     # CASCADE: the row's slots are num_prefix_splits pieces of the shared prefix (prefix_len tokens, cut as
     # _split_partition cuts a context), then num_splits pieces of the row's own suffix.
     @triton.jit
+    def _prefix_pieces(prefix_len, num_prefix_splits, min_partition, BLOCK_N: tl.constexpr):
+        """How many of cascade attention's prefix slots hold a piece with keys (the first ones)."""
+        pieces = tl.cdiv(prefix_len, _split_partition(prefix_len, num_prefix_splits, min_partition, BLOCK_N))
+        return tl.minimum(pieces, num_prefix_splits)
+
+    @triton.jit
+    def _merge_piece(acc, total, piece, piece_lse, top):
+        """One slot of the combine's sums: acc += w * piece, total += w, w = exp2(piece_lse - top) (0 for a slot
+        without keys, loaded as lse -inf and piece 0)."""
+        weight = tl.exp2(piece_lse - top)
+        return acc + piece * weight[:, None], total + weight
+
+    @triton.jit
     def _slots_used(slot, context_len, prefix_len, num_splits, num_prefix_splits, min_partition,
                     BLOCK_N: tl.constexpr, CASCADE: tl.constexpr):
         """Whether slot (a scalar or a tensor of slots) holds a piece with keys, and the end of the used slots."""
         if CASCADE:
-            prefix_pieces = tl.cdiv(prefix_len, _split_partition(prefix_len, num_prefix_splits, min_partition, BLOCK_N))
-            prefix_pieces = tl.minimum(prefix_pieces, num_prefix_splits)
+            prefix_pieces = _prefix_pieces(prefix_len, num_prefix_splits, min_partition, BLOCK_N)
             suffix_len = context_len - prefix_len
             suffix_pieces = tl.cdiv(suffix_len, _split_partition(suffix_len, num_splits, min_partition, BLOCK_N))
             suffix_pieces = tl.minimum(suffix_pieces, num_splits)
@@ -464,11 +494,10 @@ if triton is not None:
                 slot_used, _ = _slots_used(slot, context_len, prefix_len, num_splits, num_prefix_splits,
                                            min_partition, BLOCK_N, CASCADE)
                 mask = head_ok & slot_used
-                weight = tl.exp2(tl.load(partial_lse_ptr + rows + slot, mask=mask, other=float("-inf")) - top)
-                part = tl.load(partial_out_ptr + (rows + slot)[:, None] * HEAD_DIM + offs_d[None, :],
-                               mask=mask[:, None], other=0.0)
-                acc += part * weight[:, None]
-                total += weight
+                piece_lse = tl.load(partial_lse_ptr + rows + slot, mask=mask, other=float("-inf"))
+                piece = tl.load(partial_out_ptr + (rows + slot)[:, None] * HEAD_DIM + offs_d[None, :],
+                                mask=mask[:, None], other=0.0)
+                acc, total = _merge_piece(acc, total, piece, piece_lse, top)
         tl.store(out_ptrs, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
@@ -588,9 +617,11 @@ def launch_decode(
     out: torch.Tensor, partial_out: torch.Tensor, partial_lse: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, num_splits: int, min_partition: int,
     config: DecodeConfig, prefix_len: torch.Tensor | None = None, num_prefix_splits: int = 0,
+    merge_prefix: bool = False,
 ) -> None:
     """Decode pass 1 (_paged_decode_kernel); with prefix_len, cascade attention's suffix pass, whose partials
-    follow num_prefix_splits slots of the prefix pass's in each row."""
+    follow num_prefix_splits slots of the prefix pass's in each row; merge_prefix (one split): it merges the
+    prefix pass's slots itself and writes `out`."""
     block_n, num_warps, num_stages = config
     num_seqs, num_q_heads, num_kv_heads, head_dim = meta.num_seqs, q.shape[1], k_cache.shape[2], q.shape[2]
     group = num_q_heads // num_kv_heads
@@ -603,7 +634,8 @@ def launch_decode(
         num_q_heads, num_splits, min_partition, num_prefix_splits,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, SINGLE_SPLIT=num_splits == 1 and prefix_len is None,
-        SKIP_PREFIX=prefix_len is not None, num_warps=num_warps, num_stages=num_stages, **pdl_options(q),
+        SKIP_PREFIX=prefix_len is not None, MERGE_PREFIX=merge_prefix, num_warps=num_warps, num_stages=num_stages,
+        **pdl_options(q),
     )
 
 

@@ -6,13 +6,15 @@ partial results are merged by their log-sum-exp:
 
     out = (w_p * out_p + w_s * out_s) / (w_p + w_s),   w = exp2(lse - max(lse_p, lse_s))
 
-Three launches per layer, with grids from Python ints and the prefix length read on the device, so that one
-CUDA graph per batch size serves every prefix:
+Launches with grids from Python ints and the prefix length read on the device, so that one CUDA graph per batch
+size serves every prefix:
 1. the prefix pass (_cascade_prefix_kernel): program (KV head, row tile, prefix split) attends a tile of
    (sequence, query head) rows, all the sequences' GROUP heads of that KV head, to one piece of the prefix
    through the first sequence's block table (the blocks are the same for all);
 2. the suffix pass: attention.py's decode kernel with SKIP_PREFIX, keys from the prefix's end;
-3. the decode combine kernel with CASCADE, which merges the prefix's pieces and the suffix's alike."""
+3. the decode combine kernel with CASCADE, which merges the prefix's pieces and the suffix's alike. When each
+   suffix is one piece (large batches: the case cascade attention is for), the suffix pass merges the prefix's
+   pieces itself (MERGE_PREFIX) and this launch, with its round trip of the suffix's partials, is left out."""
 
 from __future__ import annotations
 
@@ -242,12 +244,12 @@ def cascade_plan(
                        prefix)
 
 
-def cascade_partials_triton(
+def cascade_prefix_pass(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     plan: CascadePlan,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Passes 1 and 2: partial results [B, Hq, P + S, D] float32 and their log2-sum-exp [B, Hq, P + S]; slots
-    0 .. P-1 hold the prefix's pieces, P .. P+S-1 the suffix's (pieces without keys are not written)."""
+    """Pass 1: partial results [B, Hq, P + S, D] float32 and their log2-sum-exp [B, Hq, P + S], of which it fills
+    slots 0 .. P-1 with the prefix's pieces (pieces without keys are not written)."""
     num_seqs, num_q_heads, head_dim = meta.num_seqs, q.shape[1], q.shape[2]
     num_kv_heads, group = k_cache.shape[2], q.shape[1] // k_cache.shape[2]
     num_slots = plan.num_prefix_splits + plan.num_splits
@@ -264,8 +266,17 @@ def cascade_partials_triton(
         GROUP=group, BLOCK_M=block_m, BLOCK_N=plan.decode_config[0], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         num_warps=num_warps, num_stages=num_stages, **pdl_options(q),
     )
+    return partial_out, partial_lse
+
+
+def cascade_partials_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    plan: CascadePlan,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Passes 1 and 2 unmerged: the prefix pass's partials with the suffix's in slots P .. P+S-1."""
+    partial_out, partial_lse = cascade_prefix_pass(q, k_cache, v_cache, meta, scale, plan)
     launch_decode(partial_out, partial_out, partial_lse, q, k_cache, v_cache, meta, scale, plan.num_splits,
-                  plan.min_partition, plan.decode_config, prefix_len, plan.num_prefix_splits)
+                  plan.min_partition, plan.decode_config, meta.common_prefix_len, plan.num_prefix_splits)
     return partial_out, partial_lse
 
 
@@ -274,12 +285,18 @@ def cascade_attention_triton(
     plan: CascadePlan | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton kernels of cascade_attention_ref (a decode step with meta.common_prefix_len set): the prefix
-    pass, the suffix pass and the combine, three launches and no host syncs. `plan` overrides cascade_plan."""
+    pass, the suffix pass and the combine (left out when the suffix pass merges: one suffix piece), no host syncs.
+    `plan` overrides cascade_plan."""
     _check_shapes(q, k_cache, v_cache)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if q.shape[0] == 0 or meta.num_seqs == 0:
         return out
     plan = plan or cascade_plan(q, k_cache, meta)
+    if plan.num_splits == 1:
+        partial_out, partial_lse = cascade_prefix_pass(q, k_cache, v_cache, meta, scale, plan)
+        launch_decode(out, partial_out, partial_lse, q, k_cache, v_cache, meta, scale, 1, plan.min_partition,
+                      plan.decode_config, meta.common_prefix_len, plan.num_prefix_splits, merge_prefix=True)
+        return out
     partial_out, partial_lse = cascade_partials_triton(q, k_cache, v_cache, meta, scale, plan)
     launch_combine(out, partial_out, partial_lse, meta, plan.num_splits, plan.min_partition, plan.decode_config[0],
                    meta.common_prefix_len, plan.num_prefix_splits)
