@@ -707,7 +707,7 @@ def sweep_decode(batch: int, context: int) -> None:
     meta = metadata([1] * batch, [context] * batch, block_tables)
     kv_bytes = 2 * k4.numel() * k_cache.element_size()  # (the bytes read: half as many from a float8 cache)
     default_splits = decode_num_splits(batch, NUM_KV_HEADS, context)
-    default = decode_config(HEAD_DIM, DTYPE)
+    default = decode_config(HEAD_DIM, DTYPE, k_cache.dtype, batch * NUM_KV_HEADS)
     print(f"\n## Decode B={batch} ctx={context}{' fp8 cache' if KV_CACHE_FP8 else ''} configs (BLOCK_N, warps, "
           f"stages) x splits; default {default} x {default_splits} (one cache: L2-resident when small)")
     for config in DECODE_SWEEP:
@@ -1266,7 +1266,7 @@ def run_fused(sweep_tiles: bool) -> int:
 
 
 def main() -> int:
-    global QUICK, FUSED_BATCHES, GEMV_BATCHES, GEMV_SWEEP_BATCHES, KV_CACHE_FP8
+    global QUICK, FUSED_BATCHES, GEMV_BATCHES, GEMV_SWEEP_BATCHES, KV_CACHE_FP8, DECODE_SWEEP_SHAPES
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer decode shapes, shorter timing runs")
     parser.add_argument("--sweep", nargs="?", const="all", choices=("all", "prefill", "decode", "rms_norm", "cascade"),
@@ -1281,12 +1281,13 @@ def main() -> int:
                         help="fp8: the decode attention table alone, on float8 e4m3 caches against ours on bf16 caches")
     parser.add_argument("--batches", type=lambda text: [int(m) for m in text.split(",")], default=None,
                         help="with --fused or --gemv: the row counts M (default 1,2,4,8,16,32,64; and those of "
-                        "--gemv-sweep, default 1,4,16,32,64)")
+                        "--gemv-sweep, default 1,4,16,32,64); with --sweep decode: only its shapes of these batches")
     args = parser.parse_args()
     QUICK = args.quick
     KV_CACHE_FP8 = args.kv_cache_dtype != "auto"
     if args.batches:
         FUSED_BATCHES = GEMV_BATCHES = GEMV_SWEEP_BATCHES = args.batches
+        DECODE_SWEEP_SHAPES = [shape for shape in DECODE_SWEEP_SHAPES if shape[0] in args.batches]
     if not torch.cuda.is_available():
         print("benchmarks/bench_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ from tests.utils import assert_bf16_attention_close  # noqa: E402
 from tinyvllm.ops.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from tinyvllm.ops.attention import (  # noqa: E402
     AttentionMetadata,
+    decode_config,
     decode_num_splits,
     paged_attention_ref,
     paged_attention_triton,
@@ -328,6 +329,15 @@ def test_kernels_on_a_head_major_pool(cache_dtype: torch.dtype, monkeypatch: pyt
             assert torch.equal(paged_prefill_triton(q, *head_major, meta, 0.125, config=(16, 16, 4, 1)), out)
 
 
+def test_decode_config_heuristic() -> None:
+    # 128 keys per step for a float8 cache read by half-precision queries once the batch fills the GPU unsplit;
+    # 64 otherwise (bf16 caches, small batches, float32 queries)
+    assert decode_config(64, torch.bfloat16, FP8, 64 * 8)[0] == 128
+    assert decode_config(64, torch.bfloat16, FP8, 32 * 8)[0] == 64
+    assert decode_config(64, torch.bfloat16, torch.bfloat16, 256 * 8)[0] == 64
+    assert decode_config(64, torch.float32, FP8, 256 * 8)[0] == 64
+
+
 def test_decode_num_splits_heuristic() -> None:
     # batch 1, long context: many splits, of at least one 64-key tile; a big batch: one split (no combine pass)
     assert 16 <= decode_num_splits(1, 8, 8192) <= 64
@@ -389,8 +399,8 @@ def _fp8_paged_batch(query_lens: list[int], context_lens: list[int], shape: tupl
 
 @pytest.mark.usefixtures("fp8_casts_as_on_the_gpu")
 @pytest.mark.parametrize("shape", _FP8_SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv-d{s[2]}-bs{s[3]}-{s[4]}")
-@pytest.mark.parametrize("num_splits,config", [(None, None), (3, None), (4, (32, 4, 1))],
-                         ids=["default", "3-splits", "4-splits-block32"])
+@pytest.mark.parametrize("num_splits,config", [(None, None), (3, None), (4, (32, 4, 1)), (1, (128, 4, 1))],
+                         ids=["default", "3-splits", "4-splits-block32", "block128"])
 def test_paged_decode_fp8_cache(shape: tuple, num_splits: int | None, config: tuple[int, int, int] | None) -> None:
     q, k_cache, v_cache, meta = _fp8_paged_batch([1, 1, 0, 1, 1], [5, 2 * shape[3] + 3, 9, 70, 0], shape)
     scale = shape[2] ** -0.5

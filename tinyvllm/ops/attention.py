@@ -532,9 +532,17 @@ def prefill_config(head_dim: int, group: int, dtype: torch.dtype) -> PrefillConf
     return max(128, triton.next_power_of_2(group)), 64, 8, 3
 
 
-def decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
-    """The decode tile: 64 keys per step; decode is bound by reading K/V, so stages keep loads in flight."""
-    return 64, 4, 2 if dtype == torch.float32 else 3
+def decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None,
+                  programs: int = 0) -> DecodeConfig:
+    """The decode tile: 64 keys per step; decode is bound by reading K/V, so stages keep loads in flight. A
+    float8 cache read by half-precision queries, at a batch whose (sequence, KV head) programs fill the GPU
+    without splits (`programs`, at least _DECODE_TARGET_PROGRAMS), takes 128 keys per step: a float8 key row is
+    half a bf16 row's bytes, and the larger tile keeps as many bytes in flight."""
+    if dtype == torch.float32:
+        return 64, 4, 2
+    if cache_dtype == torch.float8_e4m3fn and programs >= _DECODE_TARGET_PROGRAMS:
+        return 128, 4, 3
+    return 64, 4, 3
 
 
 def paged_prefill_triton(
@@ -595,7 +603,7 @@ def paged_decode_triton(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if q.shape[0] == 0 or num_seqs == 0:
         return out
-    block_n, num_warps, num_stages = config or decode_config(head_dim, q.dtype)
+    block_n, num_warps, num_stages = config or decode_config(head_dim, q.dtype, k_cache.dtype, num_seqs * num_kv_heads)
     min_partition = _DECODE_MIN_PARTITION if num_splits is None else block_n
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, meta.max_context_len)
