@@ -1001,6 +1001,48 @@ def sweep_gemv(results: dict[tuple[str, int], tuple[float, float]]) -> None:
     print("\n".join(best_rows))
 
 
+SPLIT_K_PARTS = (1, 2, 4, 8)
+
+
+def bench_split_k(ceiling: float) -> None:
+    """At 128 rows and more (the products cuBLAS keeps at 40-53% of the copy rate at 256 rows): the product cut
+    along K into S parts through cuBLAS's batched product with float32 outputs (torch.bmm out_dtype), the S
+    partials [S, M, N] left for the next kernel to sum (as the residual add could), and with a torch sum after it;
+    error of the summed result against float64. Whether split-K, which cuBLAS's heuristics do not pick there,
+    would fill the GPU."""
+    rows = [m for m in GEMV_BATCHES if m >= 128]
+    if not rows:
+        return
+    print(f"\n## Split-K through torch.bmm(out_dtype=float32), 16 weights per shape in a CUDA graph: us (of copy "
+          f"{ceiling:.0f} GB/s) for S parts; '+ sum': with the partials summed by torch\n", flush=True)
+    for name in ("qkv", "o", "gate_up", "down"):
+        n, k = GEMV_SHAPES[name]
+        weights = gemv_weights(name, GEMV_WEIGHTS)  # [N, K] views of [K, N] storage, as the model keeps them
+        nbytes = n * k * 2
+        for m in rows:
+            x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
+            ref = x.double() @ weights[0].double().t()
+            cells = []
+            for parts in SPLIT_K_PARTS:
+                xs = x.view(m, parts, k // parts).transpose(0, 1)  # [S, M, K/S], no copy
+                ws = [w.t().view(parts, k // parts, n) for w in weights]  # [S, K/S, N] of the [K, N] storage
+                try:
+                    err = float((torch.bmm(xs, ws[0], out_dtype=torch.float32).sum(0).double() - ref).norm()
+                                / ref.norm())
+                    bare = graph_us(lambda xs=xs, ws=ws: [torch.bmm(xs, w, out_dtype=torch.float32) for w in ws],
+                                    len(ws), _estimate_us(name))
+                    summed = graph_us(lambda xs=xs, ws=ws: [torch.bmm(xs, w, out_dtype=torch.float32).sum(0)
+                                                            for w in ws], len(ws), _estimate_us(name))
+                except (RuntimeError, TypeError) as error:  # (out_dtype needs a recent torch)
+                    cells.append(f"S={parts}: failed ({type(error).__name__}: {str(error)[:60]})")
+                    continue
+                cells.append(f"S={parts}: {bare:.2f} ({100 * nbytes / bare / 1e3 / ceiling:.0f}%), + sum "
+                             f"{summed:.2f}, err {err:.1e}")
+            print(f"  {name} {n}x{k} M={m}: " + "; ".join(cells), flush=True)
+        del weights
+        torch.cuda.empty_cache()
+
+
 def run_gemv(sweep_configs: bool) -> int:
     jobs: list[tuple[str, int, SkinnyConfig | None]] = [(name, m, None) for name in GEMV_SHAPES for m in GEMV_BATCHES]
     if sweep_configs:
@@ -1010,6 +1052,7 @@ def run_gemv(sweep_configs: bool) -> int:
     ceiling = copy_ceiling()
     print(f"device-to-device copy (2 GiB): {ceiling:.0f} GB/s (read + written)", flush=True)
     results = bench_gemv(ceiling)
+    bench_split_k(ceiling)
     if sweep_configs:
         sweep_gemv(results)
     return 0 if ok else 1
