@@ -198,9 +198,9 @@ def other_layout(cache: torch.Tensor) -> tuple[torch.Tensor, str]:
     """A pool [blocks, block_size, heads, head_dim] with the same values and shape in the layout the engine does not
     use (token-major: [blocks, block_size, heads, head_dim] in memory; head-major: [blocks, heads, block_size,
     head_dim]), and that layout's name: the kernels read either through the strides."""
-    if cache.is_contiguous():
-        return cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3), "head-major"
-    return cache.contiguous(), "token-major"
+    if cache.stride(2) > cache.stride(1):  # (head-major: a head's block_size rows lie together)
+        return cache.contiguous(), "token-major"
+    return cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3), "head-major"
 
 
 def sdpa(backend: SDPBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Callable | None:

@@ -112,7 +112,7 @@ def test_cascade_equals_plain_kernel_and_reference(case: str) -> None:
 
 def test_cascade_on_a_head_major_pool() -> None:
     """Both passes address the pool through its strides: stored [blocks, heads, block_size, head_dim]
-    (ops.kv_pool with TINYVLLM_KV_HEAD_MAJOR=1) it gives the same bits."""
+    (ops.kv_pool's default layout) it gives the same bits as on a token-major one."""
     prefix_len, suffixes, num_q_heads, num_kv_heads, prefix_splits, splits, config, prefix_config = \
         CASES["row tiles and splits"]
     q, k_cache, v_cache, meta = shared_prefix_batch(prefix_len, suffixes, num_q_heads, num_kv_heads)
@@ -123,14 +123,25 @@ def test_cascade_on_a_head_major_pool() -> None:
     assert torch.equal(cascade_attention_triton(q, k_major, v_major, meta, 0.2, plan), out)
 
 
-def test_suffix_pass_merges_the_prefix_when_each_suffix_is_one_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+# (prefix tokens, suffix lengths, query heads, KV heads, prefix splits, decode tile, prefix tile, idle sequences,
+# padding rows): the cases of CASES["row tiles and splits"], and a sequence whose suffix is empty (all its keys in
+# the prefix: the engine's common prefix never takes a sequence's newest token, but the kernel takes any prefix)
+MERGE_CASES = {
+    "row tiles, idle and padding": (96, [1, 40, 3, 17, 64, 5, 2, 1, 33], 8, 2, 3, (16, 4, 1), (32, 4, 1), (2,), 1),
+    "an empty suffix": (32, [3, 0, 5], 4, 2, 2, (16, 4, 1), (16, 4, 1), (), 0),
+}
+
+
+@pytest.mark.parametrize("case", list(MERGE_CASES))
+def test_suffix_pass_merges_the_prefix_when_each_suffix_is_one_piece(case: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """With one suffix split the suffix pass merges the prefix pass's pieces itself and no combine is launched: the
-    same sums in the same order as the combine kernel over the three launches' partials, so the same bits; an idle
-    sequence and a padding row (zeros) included."""
-    prefix_len, suffixes, num_q_heads, num_kv_heads, prefix_splits, _, config, prefix_config = \
-        CASES["row tiles and splits"]
-    q, k_cache, v_cache, meta = shared_prefix_batch(prefix_len, suffixes, num_q_heads, num_kv_heads, idle=(2,),
-                                                    padding=1)
+    same sums in the same order as the combine kernel over the three launches' partials, so the same bits; a
+    padding row gets zeros."""
+    prefix_len, suffixes, num_q_heads, num_kv_heads, prefix_splits, config, prefix_config, idle, padding = \
+        MERGE_CASES[case]
+    q, k_cache, v_cache, meta = shared_prefix_batch(prefix_len, suffixes, num_q_heads, num_kv_heads, idle=idle,
+                                                    padding=padding)
     plan = cascade_plan(q, k_cache, meta, prefix_splits, 1, config, prefix_config)
     partial_out, partial_lse = cascade_partials_triton(q, k_cache, v_cache, meta, 0.2, plan)
     three = torch.full(q.shape, float("nan"))
@@ -142,7 +153,8 @@ def test_suffix_pass_merges_the_prefix_when_each_suffix_is_one_piece(monkeypatch
     assert not combines
     assert torch.equal(merged, three)
     _close(merged, paged_attention_ref(q, k_cache, v_cache, _plain(meta), 0.2))
-    assert bool((merged[-1] == 0).all())
+    if padding:
+        assert bool((merged[-padding:] == 0).all())
 
 
 @pytest.mark.parametrize("kernel", ["triton", "reference"])

@@ -44,7 +44,7 @@ _PARTIALS = {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "block_tabl
 _SAMPLING = {"value_ptr": "*fp32", "index_ptr": "*i32", "cutoff_ptr": "*fp32", "temperature_ptr": "*fp32",
              "min_p_ptr": "*fp32", "seeds_ptr": "*i64"}
 _ROPE = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_ptr": "*i64"}
-_DECODE = dict(GROUP=4, BLOCK_G=4, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=64, USE_PDL=True)
+_DECODE = dict(GROUP=4, BLOCK_G=16, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=64, USE_PDL=True)
 # kv_cache_dtype="fp8": the caches in float8 e4m3 (Triton's fp8e4nv, which needs sm_89+), every other pointer as above
 _FP8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
 _PREFILL = dict(GROUP=4, BLOCK_M=128, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=64, USE_PDL=True)

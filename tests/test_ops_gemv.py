@@ -159,7 +159,7 @@ def test_rope_store_without_the_gemv() -> None:
 
 def test_rope_store_epilogue_into_a_head_major_pool() -> None:
     """The epilogue addresses the KV pool through its strides: into a pool of 2 KV heads stored [blocks, heads,
-    block_size, head_dim] (ops.kv_pool with TINYVLLM_KV_HEAD_MAJOR=1) it stores what it stores into the default one."""
+    block_size, head_dim] (ops.kv_pool's default layout) it stores what it stores into a token-major one."""
     x, residual, norm_weight, w, caches, rope = _rope_case(2, seed=3, kv_heads=2)
     moved = head_major(caches)
     assert moved.stride(3) == caches.shape[2] * caches.shape[4] and torch.equal(moved, caches)

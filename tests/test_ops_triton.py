@@ -298,7 +298,7 @@ def test_decode_combine_rounding_does_not_depend_on_heads_per_program(monkeypatc
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn], ids=["float32", "fp8"])
 def test_kernels_on_a_head_major_pool(cache_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernels address the pool through its strides: a pool stored [blocks, heads, block_size, head_dim]
-    (ops.kv_pool with TINYVLLM_KV_HEAD_MAJOR=1) gets the same values from the stores (the RoPE + KV-store kernel
+    (ops.kv_pool's default layout) gets the same values from the stores (the RoPE + KV-store kernel
     and store_kv_ref), and gives decode and prefill attention the same bits."""
     import tinyvllm.ops as ops
 

@@ -151,7 +151,7 @@ def assert_bf16_attention_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 def head_major(pools: torch.Tensor) -> torch.Tensor:
     """The same values and shape as pools [..., blocks, block_size, heads, head_dim], stored [..., blocks, heads,
-    block_size, head_dim] in memory (ops.kv_pool's layout with TINYVLLM_KV_HEAD_MAJOR=1)."""
+    block_size, head_dim] in memory (ops.kv_pool's default layout)."""
     return pools.transpose(-3, -2).contiguous().transpose(-3, -2)
 
 

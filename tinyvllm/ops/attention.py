@@ -387,7 +387,11 @@ if triton is not None:
             if (context_len <= 0) & (query_len > 0):
                 zeros = tl.zeros([BLOCK_G, HEAD_DIM], dtype=out_ptr.dtype.element_ty)
                 tl.store(out_ptrs, zeros, mask=row_valid[:, None])
-        if (query_len == 0) | (start >= context_len):
+        if MERGE_PREFIX:  # (a row whose suffix is empty still merges the prefix's pieces)
+            done = (query_len == 0) | (context_len <= 0)
+        else:
+            done = (query_len == 0) | (start >= context_len)
+        if done:
             return
 
         q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
@@ -398,6 +402,9 @@ if triton is not None:
         if SINGLE_SPLIT:
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
         elif MERGE_PREFIX:
+            empty = start >= context_len  # (no suffix keys: _attend_keys gave 0/0; the prefix's pieces alone)
+            out = tl.where(empty, 0.0, out)
+            lse = tl.where(empty, float("-inf"), lse)
             rows_slots = (seq * num_q_heads + head).to(tl.int64) * num_slots  # each row's first slot
             pieces = _prefix_pieces(key_start, num_prefix_splits, min_partition, BLOCK_N)
             top = lse
@@ -537,7 +544,9 @@ def decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype | 
     """The decode tile: 64 keys per step; decode is bound by reading K/V, so stages keep loads in flight. A
     float8 cache read by half-precision queries, at a batch whose (sequence, KV head) programs fill the GPU
     without splits (`programs`, at least _DECODE_TARGET_PROGRAMS), takes 128 keys per step: a float8 key row is
-    half a bf16 row's bytes, and the larger tile keeps as many bytes in flight."""
+    half a bf16 row's bytes, and the larger tile keeps as many bytes in flight. (`programs` counts a CUDA graph's
+    padded batch, so an eager step of a few sequences fewer may take the other tile and round differently, as
+    its split count may; cascade attention's suffix pass keeps 64, unmeasured with 128.)"""
     if dtype == torch.float32:
         return 64, 4, 2
     if cache_dtype == torch.float8_e4m3fn and programs >= _DECODE_TARGET_PROGRAMS:
@@ -630,6 +639,8 @@ def launch_decode(
     """Decode pass 1 (_paged_decode_kernel); with prefix_len, cascade attention's suffix pass, whose partials
     follow num_prefix_splits slots of the prefix pass's in each row; merge_prefix (one split): it merges the
     prefix pass's slots itself and writes `out`."""
+    if merge_prefix and (num_splits != 1 or prefix_len is None):
+        raise ValueError("merge_prefix needs cascade's suffix pass (prefix_len) in one split")
     block_n, num_warps, num_stages = config
     num_seqs, num_q_heads, num_kv_heads, head_dim = meta.num_seqs, q.shape[1], k_cache.shape[2], q.shape[2]
     group = num_q_heads // num_kv_heads

@@ -156,8 +156,8 @@ if triton is not None:
     # head kv_head * GROUP + r % GROUP; the tile attends to prefix keys split * partition .. min((split + 1) *
     # partition, prefix_len), cut as _split_partition cuts a context, through block_tables[0], and writes the
     # partial result and its log2-sum-exp to slot `split` of the row's num_slots. Rows of sequences without a
-    # token this step write nothing; a CUDA graph's padding rows (context 0) compute, and the combine kernel
-    # writes their zeros.
+    # token this step write nothing; a CUDA graph's padding rows (context 0) compute, and the combine kernel (or
+    # the merging suffix pass) writes their zeros.
     @triton.jit(do_not_specialize=["num_rows", "num_prefix_splits", "num_slots"])
     def _cascade_prefix_kernel(
         partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_query_lens_ptr,
