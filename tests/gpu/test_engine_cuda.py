@@ -440,10 +440,9 @@ def test_fp8_kv_cache_same_tokens_with_cuda_graphs_and_eager(llama_1b: str, dtyp
     """kv_cache_dtype="fp8": the caches are float8 e4m3; CUDA graphs (decode and piecewise, capturing the float8
     caches) give the tokens of eager steps up to a near-tie (parted_at_near_ties, with the top 5), in float32 too.
     A float8 cache makes a last-bit difference an e4m3 step wherever a value sits at a rounding boundary, and the
-    graphs' steps do not round as eager's do (padded shapes, other cuBLAS kernels): on an H100 the same float32
-    attention code (the same PTX, compiled for sm_90 from both trees) gave the same 64 tokens at one commit and
-    parted at token 9 of one prompt at the next. A graph that read a wrong cache would part at once, and not at a
-    near-tie."""
+    graphs' steps do not round as eager's do (padded shapes, other cuBLAS kernels), so exact tokens are not a
+    property of the code even in float32 (benchmarks/RESULTS.md, ninth session). A graph that read a wrong cache
+    would part at once, and not at a near-tie."""
     graphs = kv_run(llama_1b, dtype, "fp8", eager=False, logprobs=5)
     eager = kv_run(llama_1b, dtype, "fp8", eager=True, logprobs=5)
     for name, run in (("graphs", graphs), ("eager", eager)):

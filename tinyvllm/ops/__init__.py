@@ -167,9 +167,9 @@ def kv_pool(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, 
             device: torch.device) -> torch.Tensor:
     """A zeroed K or V pool, [num_blocks, block_size, num_kv_heads, head_dim] as every op indexes it, stored
     [num_blocks, num_kv_heads, block_size, head_dim] in memory (the ops address it through its strides): each head's
-    block is one run of bytes (1 KiB in float8 at head_dim 64) where token-major rows would be 64-128 bytes a block
-    apart, which the decode kernel reads faster (benchmarks/RESULTS.md). TINYVLLM_KV_HEAD_MAJOR=0 stores it
-    token-major, to compare."""
+    block is one run of bytes, where token-major it would be block_size rows of one head_dim each (64 bytes in
+    float8 at head_dim 64), num_kv_heads rows apart; decode attention reads the runs faster (benchmarks/RESULTS.md).
+    TINYVLLM_KV_HEAD_MAJOR=0 stores it token-major, to compare."""
     if not _KV_HEAD_MAJOR:
         return torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
     return torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device).transpose(1, 2)
