@@ -197,10 +197,12 @@ if triton is not None:
 # kernel cuts the prefix into the same pieces as the prefix pass did.
 PrefixConfig = tuple[int, int, int]
 
-# The prefix pass aims at this many programs (KV heads x row tiles x prefix splits): enough to spread a prefix
-# over the GPU at small batches, while each split adds a partial result per (sequence, head) row to write and
-# merge. The GPU sweep tunes these (benchmarks/bench_kernels.py --cascade --sweep cascade).
-_CASCADE_TARGET_PROGRAMS = 256
+# The prefix pass aims at this many programs (KV heads x row tiles x prefix splits), in at least
+# _CASCADE_MIN_PREFIX_SPLITS splits: enough to spread a prefix over the GPU, while each split adds a partial result
+# per (sequence, head) row to write and merge. The GPU sweep tunes these (benchmarks/bench_kernels.py --cascade
+# --sweep cascade), whose best plans at 8 to 256 sequences these give (figures in benchmarks/RESULTS.md).
+_CASCADE_TARGET_PROGRAMS = 128
+_CASCADE_MIN_PREFIX_SPLITS = 2
 _CASCADE_MAX_PREFIX_SPLITS = 16
 
 
@@ -210,7 +212,7 @@ def cascade_prefix_config(dtype: torch.dtype) -> PrefixConfig:
     CUDA graph of a larger size round each row alike."""
     if dtype == torch.float32:
         return 32, 4, 1
-    return 64, 4, 3
+    return 64, 4, 2
 
 
 class CascadePlan(NamedTuple):
@@ -236,7 +238,7 @@ def cascade_plan(
     if num_prefix_splits is None:
         tiles = triton.cdiv(num_seqs * (num_q_heads // num_kv_heads), prefix[0])
         wanted = triton.cdiv(_CASCADE_TARGET_PROGRAMS, num_kv_heads * tiles)
-        num_prefix_splits = max(1, min(_CASCADE_MAX_PREFIX_SPLITS, wanted))
+        num_prefix_splits = max(_CASCADE_MIN_PREFIX_SPLITS, min(_CASCADE_MAX_PREFIX_SPLITS, wanted))
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, meta.max_context_len)
         num_splits = max(1, min(num_splits, _DECODE_MAX_SPLITS - num_prefix_splits))
