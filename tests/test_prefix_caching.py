@@ -179,6 +179,30 @@ def test_requests_arriving_together_compute_their_shared_prefix_once(checkpoint,
     assert plain_hits == 0 and plain_computed == total  # (all eight fit in the first step: none found it cached)
 
 
+def test_a_request_waiting_for_a_shared_prefix_is_seated_in_the_next_step(checkpoint, prompts):
+    """With async scheduling the step after the one computing a shared prefix is planned before that step's tokens
+    are read back: the prefix's blocks are in the cache from the moment their step is launched, so the request
+    waiting for them is seated then, not a step later. Its tokens match a run without the prefix cache."""
+    first, second = prompts["shared"][:2]
+    llm = make(checkpoint, True, async_scheduling=True)
+    engine = llm.llm_engine
+    engine.add_request("first", first, GREEDY)
+    engine.add_request("second", second, GREEDY)
+    core = engine.engine_core
+    engine.step()  # launches the first's prompt, then (async) the next step; reads the first back
+    assert not core.scheduler.waiting and core.has_step_in_flight
+    seated = next(s for s in core.scheduler.running if s.request_id == "second")
+    assert seated.num_cached_tokens == 64 and seated.num_computed_tokens == len(second)  # its tail in flight
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.get_stats()["prefix_cache_hits"] == 64
+    assert core.block_manager.claimed == {}
+    core.block_manager.check_whole()
+    plain = tokens(make(checkpoint, False).generate([first, second], GREEDY, use_tqdm=False))
+    cached = tokens(make(checkpoint, True, async_scheduling=True).generate([first, second], GREEDY, use_tqdm=False))
+    assert cached == plain
+
+
 def test_a_request_waiting_for_a_claimed_prefix_runs_once_its_claimant_is_gone(checkpoint, prompts):
     """The sequence computing the shared blocks is aborted before they are cached: the one waiting for them
     must not wait for ever, and computes them itself."""

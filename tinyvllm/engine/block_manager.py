@@ -5,8 +5,9 @@ hashes mean equal prefixes; the tokens are compared too, so a hash collision can
 Blocks are reference counted; a block whose count drops to zero keeps its contents and hash and
 waits in the free queue, least recently used first, until a new block is needed.
 
-A sequence that starts computing prompt blocks nobody has cached claims them until they are cached: a request
-that arrives with the same prefix meanwhile can wait for them (Scheduler) instead of computing them again."""
+A sequence that starts computing prompt blocks nobody has cached claims them until they are cached (which the
+scheduler does once the step computing them is launched): a request that arrives with the same prefix meanwhile
+can wait for them (Scheduler) instead of computing them again."""
 
 from __future__ import annotations
 

@@ -191,6 +191,7 @@ class EngineCore:
             return None
         scheduled = time.perf_counter()
         output = self.model_runner.execute(step, self.record_gpu_time)
+        scheduler.cache_launched()
         stats = None
         if self.step_callbacks:
             launched = time.perf_counter()

@@ -6,7 +6,8 @@ decode takes one token, an unfinished prompt takes the next chunk that fits. The
 limits permitting, waiting sequences are admitted (continuous batching); one whose prompt continues with a
 block that a running sequence is computing right now waits for that block to reach the prefix cache, rather
 than computing it again (requests that arrive together with one long shared prompt compute it once, as
-SGLang's scheduler does). When the KV pool runs dry,
+SGLang's scheduler does). A prompt block enters the cache as soon as the step computing it is launched
+(cache_launched), so the waiting request is seated in the next step. When the KV pool runs dry,
 the youngest running sequence is preempted: its blocks are freed and it goes back to the front of
 the queue, to be recomputed later, so no request is ever dropped.
 
@@ -49,6 +50,7 @@ class Scheduler:
         self.num_prompt_tokens = 0  # prompt tokens computed (prefix-cache hits not counted)
         self._freed: list[int] = []  # ids whose blocks were freed since the last batch (the runner drops them)
         self._waiting_with_placeholder = False  # a preempted sequence waits for its token in flight
+        self._prompting: list[Sequence] = []  # the sequences with prompt tokens in the step last scheduled
 
     def add(self, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq
@@ -145,11 +147,23 @@ class Scheduler:
             self._describe(out, scheduled)
         return out
 
+    def cache_launched(self) -> None:
+        """Once the step schedule() last returned is launched: the prompt blocks it fills go into the prefix cache
+        now, not when its tokens are read back. Any later step reads them after this one writes them (the device
+        runs steps in order), so requests waiting for a prefix this step computes are seated in the very next
+        step, which async scheduling plans while this one runs. (Blocks that decoding fills are cached by
+        update_from_output: waiting requests share prompts, and leaving the decoding sequences out here keeps a
+        decode step's host time down.)"""
+        prompting, self._prompting = self._prompting, []
+        if self.block_manager.enable_prefix_caching:
+            self.block_manager.cache_full_blocks(prompting)
+
     def _describe(self, out: SchedulerOutput, scheduled: list[Sequence]) -> None:
         """Fill in what the runner needs of each scheduled sequence, and count the step's tokens as computed
         (their K/V are written in stream order before any later step reads them); a sequence whose last
         token is in the step gets a placeholder for the token it samples."""
         seq_ids = out.seq_ids
+        self._prompting = prompting = []  # (for cache_launched)
         for seq, num_new in zip(scheduled, out.num_new_tokens):
             seq_ids.append(seq.seq_id)
             num_blocks = len(seq.block_table)
@@ -164,6 +178,7 @@ class Scheduler:
             num_computed = seq.num_computed_tokens
             if num_computed < seq.num_prompt_tokens:
                 self.num_prompt_tokens += min(seq.num_prompt_tokens - num_computed, num_new)
+                prompting.append(seq)
             seq.num_computed_tokens = num_computed = num_computed + num_new
             if num_computed == len(seq.token_ids) + seq.num_output_placeholders:  # (Sequence.num_tokens)
                 seq.num_output_placeholders += 1
