@@ -383,6 +383,38 @@ def test_cascade_attention_greedy_same_on_and_off(cascade_runs: dict, dtype: str
         pytest.xfail(f"bf16 greedy, cascade attention on vs off (a flip at a near-tie is expected): {detail}")
 
 
+# The SHARED_PROMPTS sent together, nothing cached: with prefix caching on the first computes the shared prefix and
+# the others, waiting for it, are seated in the next step, which async scheduling (on by default on CUDA) plans and
+# launches before the prefix's step is read back (Scheduler.cache_launched): they read its blocks in stream order.
+GENERATE_TOGETHER = r"""
+import json, sys
+from tinyvllm import LLM, SamplingParams
+path, caching, num_tokens, prompts, engine_args = json.loads(sys.argv[1])
+llm = LLM(path, dtype="float32", enable_prefix_caching=caching, cascade_attention=False, **engine_args)
+params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+print("RESULT" + json.dumps(dict(tokens=tokens, hits=llm.llm_engine.get_stats()["prefix_cache_hits"],
+                                 async_scheduling=llm.llm_engine.engine_core.async_scheduling)))
+"""
+
+
+def test_requests_sent_together_read_the_prefix_as_its_step_writes_it(llama_1b: str) -> None:
+    """Requests sent together with a prefix nobody has cached: with caching on they take the first's prefix
+    blocks from the step after the one computing them, before that step is read back. In float32 the tokens
+    equal a run without the prefix cache, where each computes the prefix itself."""
+    runs = {}
+    for caching in (True, False):
+        free_gpu_memory()
+        result = run_python(GENERATE_TOGETHER, [llama_1b, caching, NUM_TOKENS, SHARED_PROMPTS, SHARED_ENGINE_ARGS],
+                            dict(os.environ), 600)
+        if isinstance(result, str):
+            pytest.fail(f"shared-prefix run sent together, prefix caching {'on' if caching else 'off'}:\n{result}")
+        runs[caching] = result
+    assert runs[True]["async_scheduling"] and runs[True]["hits"] > 0 and runs[False]["hits"] == 0
+    same, detail = agreement(runs[True]["tokens"], runs[False]["tokens"])
+    assert same, f"greedy {NUM_TOKENS} tokens in float32, the prefix taken from the first request or computed: {detail}"
+
+
 # ------------------------------------------------------------------------------------------ float8 KV cache
 
 # One greedy run with a given kv_cache_dtype, in a fresh process; prints RESULT and JSON: the tokens (and with
