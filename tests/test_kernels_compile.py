@@ -1,8 +1,10 @@
 """The attention, sampling, decode-input and GEMV kernels compile for Hopper (sm_90) with Triton's own compiler, which
 needs no GPU, in a process without the interpreter: the interpreter runs kernels as Python, so what only the
 compiler refuses (a branch that is not static, mismatched types between branches, a shape it cannot lay out) would
-first show on the device. Each compiled kernel must wait for the kernel before it (programmatic dependent launch);
-decode attention must prefetch its first keys into L2 before that wait."""
+first show on the device. The arguments carry the alignment the JIT finds at the engine's launches, so the code
+compiled is the code that runs. Each compiled kernel must wait for the kernel before it (programmatic dependent
+launch); decode attention must prefetch its first keys into L2 before that wait, and copy its K and V tiles in
+16-byte pieces (without the alignment it would load a float8 tile a byte at a time)."""
 
 from __future__ import annotations
 
@@ -19,15 +21,19 @@ from triton.compiler import ASTSource
 count = 0
 for module, name, constants, pointers, num_warps in json.loads(sys.argv[1]):
     kernel = getattr(importlib.import_module(module), name)
-    signature = {}
-    for arg in kernel.arg_names:
+    signature, attrs = {}, {}
+    for index, param in enumerate(kernel.params):
+        arg = param.name
         if arg in constants:
             signature[arg] = "constexpr"
         elif arg.endswith("_ptr"):
             signature[arg] = pointers.get(arg, "*bf16")
         else:
             signature[arg] = "fp32" if arg in ("qk_scale", "eps") else "i32"
-    compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+        # As the JIT specializes the engine's launches: tensors 16-byte aligned, strides multiples of 16.
+        if (arg.endswith("_ptr") or arg.startswith("stride")) and not param.do_not_specialize:
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": 3})
     ptx = compiled.asm["ptx"]
     assert "griddepcontrol.wait" in ptx, f"{name} {constants}: no PDL wait"
@@ -35,6 +41,9 @@ for module, name, constants, pointers, num_warps in json.loads(sys.argv[1]):
         assert -1 < ptx.find("prefetch.global.L2") < ptx.index("griddepcontrol.wait"), f"{constants}: no prefetch"
     if pointers.get("v_cache_ptr") == "*fp8e4nv":  # (attention._values_as: else sm_90 reads V a byte at a time)
         assert "ld.shared.b8" not in ptx, f"{name}: a float8 tile read from shared memory a byte at a time"
+    if name == "_paged_decode_kernel":  # K and V tiles in 16-byte asynchronous copies, never element by element
+        assert "cp.async.cg.shared.global" in ptx and "ld.global.b8" not in ptx and "ld.global.b16" not in ptx, \
+            f"{constants} {pointers.get('k_cache_ptr', '*bf16')}: K/V tiles not copied in 16-byte pieces"
     count += 1
 print("compiled", count)
 """
