@@ -123,6 +123,15 @@ def test_cascade_on_a_head_major_pool() -> None:
     assert torch.equal(cascade_attention_triton(q, k_major, v_major, meta, 0.2, plan), out)
 
 
+@pytest.mark.parametrize("num_seqs,prefix_splits", [(8, 16), (32, 8), (64, 4), (128, 2), (256, 2)])
+def test_cascade_plan_prefix_splits(num_seqs: int, prefix_splits: int) -> None:
+    # Llama-3.2-1B's heads in bf16 (64-row prefix tiles): about 128 prefix-pass programs, never fewer than 2 splits
+    # (the GPU sweep's best plans)
+    q, k_cache, _, meta = shared_prefix_batch(32, [3] * num_seqs, 32, 8)
+    plan = cascade_plan(q.to(torch.bfloat16), k_cache.to(torch.bfloat16), meta)
+    assert plan.num_prefix_splits == prefix_splits and plan.prefix_config == (64, 4, 2)
+
+
 # (prefix tokens, suffix lengths, query heads, KV heads, prefix splits, decode tile, prefix tile, idle sequences,
 # padding rows): the cases of CASES["row tiles and splits"], and a sequence whose suffix is empty (all its keys in
 # the prefix: the engine's common prefix never takes a sequence's newest token, but the kernel takes any prefix)

@@ -150,11 +150,10 @@ class Scheduler:
     def cache_launched(self) -> None:
         """Once the step schedule() last returned is launched: the full blocks of its sequences with prompt tokens
         (those it fills, and any earlier ones not cached yet) go into the prefix cache now, not when its tokens are
-        read back. Any later step reads them after this one writes them (the device
-        runs steps in order), so requests waiting for a prefix this step computes are seated in the very next
-        step, which async scheduling plans while this one runs. (Blocks that decoding fills are cached by
-        update_from_output: waiting requests share prompts, and leaving the decoding sequences out here keeps a
-        decode step's host time down.)"""
+        read back. Any later step reads them after this one writes them (the device runs steps in order), so
+        requests waiting for a prefix this step computes are seated in the very next step, which async scheduling
+        plans while this one runs. (Blocks that decoding fills are cached by update_from_output: waiting requests
+        share prompts, and leaving the decoding sequences out here keeps a decode step's host time down.)"""
         prompting, self._prompting = self._prompting, []
         if self.block_manager.enable_prefix_caching:
             self.block_manager.cache_full_blocks(prompting)

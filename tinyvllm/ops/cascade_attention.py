@@ -200,7 +200,8 @@ PrefixConfig = tuple[int, int, int]
 # The prefix pass aims at this many programs (KV heads x row tiles x prefix splits), in at least
 # _CASCADE_MIN_PREFIX_SPLITS splits: enough to spread a prefix over the GPU, while each split adds a partial result
 # per (sequence, head) row to write and merge. The GPU sweep tunes these (benchmarks/bench_kernels.py --cascade
-# --sweep cascade), whose best plans at 8 to 256 sequences these give (figures in benchmarks/RESULTS.md).
+# --sweep cascade): at 8 to 256 sequences these give its best plan or one within 2% (figures in
+# benchmarks/RESULTS.md).
 _CASCADE_TARGET_PROGRAMS = 128
 _CASCADE_MIN_PREFIX_SPLITS = 2
 _CASCADE_MAX_PREFIX_SPLITS = 16
