@@ -239,15 +239,16 @@ class PiecewiseCudaGraphs:
     shorter than that step). Padding tokens (to the ladder's size) store no K/V (slot -1) and attend to nothing;
     every other op works row by row, so they cannot touch the real ones.
 
-    A step of one sequence alone (max_blocks_per_seq given) up to WHOLE_GRAPH_MAX_TOKENS is one graph, attention
-    included: with one sequence, the prefill kernel's grid depends on the token count alone (its query tiles past
-    the sequence's length return at once), and the sequence's lengths and block table are read from buffers of
-    the graph's own. That is a request's first step whenever it arrives alone: its host work falls from a replay
-    and an attention launch per layer to one replay and a few copies (benchmarks/RESULTS.md has the figures)."""
+    A step of one sequence alone (max_blocks_per_seq, block_size given) up to WHOLE_GRAPH_MAX_TOKENS and its block
+    table's tokens is one graph, attention included: with one sequence, the prefill kernel's grid depends on the
+    token count alone (its query tiles past the sequence's length return at once), and the sequence's lengths and
+    block table are read from buffers of the graph's own. That is a request's first step whenever it arrives alone:
+    its host work falls from a replay and an attention launch per layer to one replay and a few copies
+    (benchmarks/RESULTS.md has the figures)."""
 
     @torch.inference_mode()
     def __init__(self, model: torch.nn.Module, max_num_tokens: int, device: torch.device,
-                 pool: tuple[int, int] | None = None, max_blocks_per_seq: int = 0) -> None:
+                 pool: tuple[int, int] | None = None, max_blocks_per_seq: int = 0, block_size: int = 0) -> None:
         ladder = [*range(64, 512, 64), *range(512, 1024, 128), *range(1024, 2048, 256),
                   *range(2048, PIECEWISE_MAX_TOKENS + 1, 512)]
         self.token_counts = sorted({t for t in ladder if t < max_num_tokens}
@@ -277,8 +278,10 @@ class PiecewiseCudaGraphs:
         self.context_lens = torch.zeros(1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(1, max(max_blocks_per_seq, 1), dtype=torch.int32, device=device)
         self.whole: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # count -> (graph, its output)
-        if max_blocks_per_seq:
-            for count in reversed([t for t in self.token_counts if t <= WHOLE_GRAPH_MAX_TOKENS]):
+        # (no step of one sequence holds more tokens than its block table: a graph for more would read past it)
+        largest_whole = min(WHOLE_GRAPH_MAX_TOKENS, max_blocks_per_seq * block_size)
+        if largest_whole:
+            for count in reversed([t for t in self.token_counts if t <= largest_whole]):
                 self.whole[count] = self._capture_whole(model, count)
         graphs = [g for pieces in self.pieces.values() for g in pieces.graphs] + [g for g, _ in self.whole.values()]
         for graph in graphs:

@@ -98,7 +98,8 @@ class ModelRunner:
                                           model_config.hidden_size, dtype, device, config.cascade_attention,
                                           tail=self.draw)
             self.piecewise_graphs = PiecewiseCudaGraphs(model, config.max_num_batched_tokens, device,
-                                                        self.cuda_graphs.pool, self.max_blocks_per_seq)
+                                                        self.cuda_graphs.pool, self.max_blocks_per_seq,
+                                                        self.block_size)
         self.fixed_shapes = device.type == "cuda"  # (on the CPU shapes cost nothing: the batch runs as it is)
         self.logits_rows = size_ladder(config.max_num_seqs)  # (a step samples at most a row per sequence)
         if self.fixed_shapes and tp.size == 1:  # (with several ranks a warm-up would need them all)
