@@ -69,14 +69,14 @@ CASES = [
     # Every kernel that reads or writes the KV cache also with a float8 cache (_FP8): decode (one split, several,
     # the cascade suffix pass), the cascade prefix pass, prefill, and the stores (rotary.py's kernel, the qkv GEMV).
     # (MERGE_PREFIX: cascade's suffix pass in one piece, merging the prefix's; a float8 cache at large batches reads
-    # 128 keys per step: attention.decode_config)
-    *[(_ATTENTION, "_paged_decode_kernel", {**_DECODE, "SINGLE_SPLIT": single, "SKIP_PREFIX": skip,
-                                            "MERGE_PREFIX": merge}, {**_PARTIALS, **caches}, 4)
+    # 128 keys per step: attention.decode_config; a float8 cache's programs take 4 query rows: attention.decode_rows)
+    *[(_ATTENTION, "_paged_decode_kernel", {**_DECODE, "BLOCK_G": 4 if caches else 16, "SINGLE_SPLIT": single,
+                                            "SKIP_PREFIX": skip, "MERGE_PREFIX": merge}, {**_PARTIALS, **caches}, 4)
       for caches in ({}, _FP8)
       for single, skip, merge in ((True, False, False), (False, False, False), (False, True, False),
                                   (False, True, True))],
-    (_ATTENTION, "_paged_decode_kernel", {**_DECODE, "BLOCK_N": 128, "SINGLE_SPLIT": True, "SKIP_PREFIX": False,
-                                          "MERGE_PREFIX": False}, {**_PARTIALS, **_FP8}, 4),
+    (_ATTENTION, "_paged_decode_kernel", {**_DECODE, "BLOCK_G": 4, "BLOCK_N": 128, "SINGLE_SPLIT": True,
+                                          "SKIP_PREFIX": False, "MERGE_PREFIX": False}, {**_PARTIALS, **_FP8}, 4),
     *[("tinyvllm.ops.cascade_attention", "_cascade_prefix_kernel", _CASCADE_PREFIX, {**_PARTIALS, **caches}, 4)
       for caches in ({}, _FP8)],
     *[(_ATTENTION, "_combine_splits_kernel", dict(HEADS=heads, BLOCK_SPLITS=64, BLOCK_N=64, HEAD_DIM=64,

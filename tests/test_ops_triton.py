@@ -19,6 +19,7 @@ from tinyvllm.ops.attention import (  # noqa: E402
     AttentionMetadata,
     decode_config,
     decode_num_splits,
+    decode_rows,
     paged_attention_ref,
     paged_attention_triton,
     paged_decode_triton,
@@ -336,6 +337,12 @@ def test_decode_config_heuristic() -> None:
     assert decode_config(64, torch.bfloat16, FP8, 32 * 8)[0] == 64
     assert decode_config(64, torch.bfloat16, torch.bfloat16, 256 * 8)[0] == 64
     assert decode_config(64, torch.float32, FP8, 256 * 8)[0] == 64
+
+
+def test_decode_rows_heuristic() -> None:
+    # a program's query rows: its group padded to a power of two, at least 4 on a float8 cache and 16 on others
+    assert [decode_rows(group, FP8) for group in (1, 2, 3, 4, 8, 32)] == [4, 4, 4, 4, 8, 32]
+    assert [decode_rows(group, torch.bfloat16) for group in (1, 4, 8, 32)] == [16, 16, 16, 32]
 
 
 def test_decode_num_splits_heuristic() -> None:
