@@ -628,7 +628,7 @@ def bench_sampling(table: Table) -> None:
 PREFILL_SWEEP = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 3), (128, 32, 4, 4),
                  (64, 64, 4, 3), (256, 64, 8, 3)]
 DECODE_SWEEP = [(64, 4, 3), (64, 4, 2), (64, 8, 3), (64, 2, 3), (32, 4, 3), (32, 2, 3), (16, 2, 3), (128, 4, 3),
-                (128, 8, 3), (64, 2, 2), (32, 2, 2), (128, 4, 2), (64, 4, 1)]
+                (128, 8, 3), (64, 2, 2), (32, 2, 2), (128, 4, 2), (64, 4, 1), (256, 8, 3), (256, 8, 2), (256, 4, 3)]
 # (the engine's shapes: batch 256 at the throughput workload's ~500-1500, then batch 1 at short contexts; the large
 # batches first, as a run cut short by a time limit keeps those)
 DECODE_SWEEP_SHAPES = [(256, 512), (256, 1024), (256, 2048), (64, 2048),
