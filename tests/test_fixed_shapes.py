@@ -11,7 +11,7 @@ import pytest
 from tests.utils import tiny_llama_fixture, tiny_llm
 from tinyvllm import SamplingParams
 from tinyvllm.worker import model_runner
-from tinyvllm.worker.cuda_graphs import size_ladder
+from tinyvllm.worker.cuda_graphs import WHOLE_GRAPH_MAX_TOKENS, graph_token_counts, size_ladder
 from tinyvllm.worker.model_runner import padded_num_tokens
 
 checkpoint = tiny_llama_fixture(seed=11)
@@ -24,6 +24,16 @@ def test_the_logits_ladder_covers_every_row_count_with_little_padding() -> None:
         rows = next(r for r in ladder if r >= n)
         assert rows - n < 16
     assert size_ladder(5) == [1, 2, 4, 5]
+
+
+def test_whole_graphs_stop_at_the_tokens_a_block_table_holds() -> None:
+    # (on the GPU a whole graph past the table read out of it: the engine died at start with max_model_len 1,024)
+    counts, whole = graph_token_counts(8192, 64 * 16)  # max_model_len 1,024 in blocks of 16
+    assert counts[0] == 64 and counts[-1] == 8192 and whole == [t for t in counts if t <= 1024]
+    assert graph_token_counts(8192, 63 * 16)[1][-1] == 896  # max_model_len 1,000: 1,024 would pass its 1,008
+    assert graph_token_counts(8192, 4096 * 16)[1][-1] == WHOLE_GRAPH_MAX_TOKENS
+    assert graph_token_counts(300, 4096 * 16) == ([64, 128, 192, 256, 300], [64, 128, 192, 256, 300])
+    assert graph_token_counts(8192, 0)[1] == []
 
 
 def test_large_steps_are_padded_to_a_multiple_and_never_past_the_budget() -> None:

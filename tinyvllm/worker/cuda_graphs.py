@@ -228,6 +228,17 @@ PIECEWISE_MAX_TOKENS = 8192  # the largest step the piecewise graphs take (max_n
 WHOLE_GRAPH_MAX_TOKENS = 2048
 
 
+def graph_token_counts(max_num_tokens: int, table_tokens: int) -> tuple[list[int], list[int]]:
+    """The token counts of the piecewise graphs (a ladder up to max_num_tokens, at most PIECEWISE_MAX_TOKENS), and
+    those of them that also get a whole graph: up to WHOLE_GRAPH_MAX_TOKENS and to the tokens one sequence's block
+    table holds, table_tokens (no step of one sequence holds more, and a graph for more would read past its table;
+    0: no whole graphs)."""
+    ladder = [*range(64, 512, 64), *range(512, 1024, 128), *range(1024, 2048, 256),
+              *range(2048, PIECEWISE_MAX_TOKENS + 1, 512)]
+    counts = sorted({t for t in ladder if t < max_num_tokens} | {min(max_num_tokens, PIECEWISE_MAX_TOKENS)})
+    return counts, [t for t in counts if t <= min(WHOLE_GRAPH_MAX_TOKENS, table_tokens)]
+
+
 class PiecewiseCudaGraphs:
     """CUDA graphs for steps with prompt tokens (a prompt chunk among decodes, as a server's steps are while
     requests keep arriving, or a whole budget of prompt tokens), up to PIECEWISE_MAX_TOKENS tokens: everything but
@@ -249,10 +260,7 @@ class PiecewiseCudaGraphs:
     @torch.inference_mode()
     def __init__(self, model: torch.nn.Module, max_num_tokens: int, device: torch.device,
                  pool: tuple[int, int] | None = None, max_blocks_per_seq: int = 0, block_size: int = 0) -> None:
-        ladder = [*range(64, 512, 64), *range(512, 1024, 128), *range(1024, 2048, 256),
-                  *range(2048, PIECEWISE_MAX_TOKENS + 1, 512)]
-        self.token_counts = sorted({t for t in ladder if t < max_num_tokens}
-                                   | {min(max_num_tokens, PIECEWISE_MAX_TOKENS)})
+        self.token_counts, whole_counts = graph_token_counts(max_num_tokens, max_blocks_per_seq * block_size)
         top = self.token_counts[-1]
         self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
         self.positions = torch.zeros(top, dtype=torch.int64, device=device)
@@ -278,11 +286,8 @@ class PiecewiseCudaGraphs:
         self.context_lens = torch.zeros(1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(1, max(max_blocks_per_seq, 1), dtype=torch.int32, device=device)
         self.whole: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # count -> (graph, its output)
-        # (no step of one sequence holds more tokens than its block table: a graph for more would read past it)
-        largest_whole = min(WHOLE_GRAPH_MAX_TOKENS, max_blocks_per_seq * block_size)
-        if largest_whole:
-            for count in reversed([t for t in self.token_counts if t <= largest_whole]):
-                self.whole[count] = self._capture_whole(model, count)
+        for count in reversed(whole_counts):
+            self.whole[count] = self._capture_whole(model, count)
         graphs = [g for pieces in self.pieces.values() for g in pieces.graphs] + [g for g, _ in self.whole.values()]
         for graph in graphs:
             graph.replay()  # the first replay uploads the graph: pay for it now, not mid-run
