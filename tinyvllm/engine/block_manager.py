@@ -112,8 +112,9 @@ class BlockManager:
         seq.claimed_blocks = (max(first, end), last)
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] | None = None) -> bool:
-        """Give seq enough blocks for num_new_tokens more tokens, taking `cached` prefix blocks first.
-        Returns False, changing nothing, if the pool cannot provide them."""
+        """Give seq enough blocks for num_new_tokens more tokens, taking `cached` prefix blocks first (for a
+        sequence without blocks, as find_cached_prefix found them). Returns False, changing nothing, if the pool
+        cannot provide them."""
         cached = cached or []
         num_cached_tokens = len(cached) * self.block_size
         total = max(seq.num_computed_tokens, num_cached_tokens) + num_new_tokens
@@ -126,7 +127,9 @@ class BlockManager:
             if block.ref_count == 0:
                 del self.free_queue[block_id]
             block.ref_count += 1
-            seq.block_table.append(block_id)
+        if cached:  # (seq's first blocks, in the cache already: cache_computed_blocks need not look at them)
+            seq.block_table.extend(cached)
+            seq.num_registered_blocks = len(cached)
         for _ in range(max(num_new_blocks, 0)):
             block_id, _ = self.free_queue.popitem(last=False)
             block = self.blocks[block_id]
