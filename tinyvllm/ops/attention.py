@@ -558,7 +558,7 @@ def decode_rows(group: int, cache_dtype: torch.dtype) -> int:
     """BLOCK_G, a decode program's query rows: its KV head's group of query heads padded to a power of two. On a
     float8 cache at least 4 (Triton pads tl.dot's rows up to the MMA's 16 itself): that kernel is bound by the
     instructions it issues per key, and with 16 rows for a group of 4 three quarters of its softmax ran on padding.
-    A bf16 cache keeps 16 rows: its kernel reads at the copy rate, and 4 rows timed slower there."""
+    Other caches keep at least 16 rows: on bf16 the kernel reads at the copy rate, and 4 rows timed slower there."""
     return max(4 if cache_dtype == torch.float8_e4m3fn else 16, triton.next_power_of_2(group))
 
 

@@ -250,16 +250,16 @@ class PiecewiseCudaGraphs:
     shorter than that step). Padding tokens (to the ladder's size) store no K/V (slot -1) and attend to nothing;
     every other op works row by row, so they cannot touch the real ones.
 
-    A step of one sequence alone (max_blocks_per_seq, block_size given) up to WHOLE_GRAPH_MAX_TOKENS and its block
-    table's tokens is one graph, attention included: with one sequence, the prefill kernel's grid depends on the
-    token count alone (its query tiles past the sequence's length return at once), and the sequence's lengths and
-    block table are read from buffers of the graph's own. That is a request's first step whenever it arrives alone:
-    its host work falls from a replay and an attention launch per layer to one replay and a few copies
-    (benchmarks/RESULTS.md has the figures)."""
+    A step of one sequence alone up to WHOLE_GRAPH_MAX_TOKENS and the tokens of its block table (max_blocks_per_seq
+    blocks of block_size; 0 blocks: no whole graphs) is one graph, attention included: with one sequence, the
+    prefill kernel's grid depends on the token count alone (its query tiles past the sequence's length return at
+    once), and the sequence's lengths and block table are read from buffers of the graph's own. That is a request's
+    first step whenever it arrives alone: its host work falls from a replay and an attention launch per layer to one
+    replay and a few copies (benchmarks/RESULTS.md has the figures)."""
 
     @torch.inference_mode()
     def __init__(self, model: torch.nn.Module, max_num_tokens: int, device: torch.device,
-                 pool: tuple[int, int] | None = None, max_blocks_per_seq: int = 0, block_size: int = 0) -> None:
+                 pool: tuple[int, int] | None, max_blocks_per_seq: int, block_size: int) -> None:
         self.token_counts, whole_counts = graph_token_counts(max_num_tokens, max_blocks_per_seq * block_size)
         top = self.token_counts[-1]
         self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
