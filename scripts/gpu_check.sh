@@ -5,7 +5,8 @@
 # float8 KV cache (kv_cache_dtype="fp8"): throughput-fp8 (throughput-256 with it: run it beside throughput to
 # compare), tests-fp8 (the GPU tests of its kernels and engine), kernels-fp8 (decode attention on it) and sweep-fp8
 # (its decode tiles), throughput-fp8-token-major (throughput-fp8 with the pools token-major, TINYVLLM_KV_HEAD_MAJOR=0);
-# products-256 (cuBLAS and our Triton tiles at a 128- and 256-sequence step's rows), e.g.
+# products-256 (cuBLAS and our Triton tiles at a 128- and 256-sequence step's rows); sampling (the sampling table:
+# the race against inverse-CDF sampling among its rows) and tests-sampling (the GPU tests of both samplers), e.g.
 #     bash scripts/gpu_check.sh tests latency
 # PYTHON picks the interpreter (default python3); LIMIT_S the seconds per part (default 300, and 900 for the tests:
 # on an H100 the 209 GPU tests took more than 280 s, and the float8 KV cache's engine tests start six engines more).
@@ -32,8 +33,11 @@ for part in "${parts[@]}"; do
                                             --no-peer --kv-cache-dtype fp8) ;;
         sweep-fp8) command=("$python" benchmarks/bench_kernels.py --sweep decode --sweep-only --kv-cache-dtype fp8) ;;
         products-256) command=("$python" benchmarks/bench_kernels.py --gemv --gemv-sweep --batches 128,256) ;;
+        sampling) command=("$python" benchmarks/bench_kernels.py --sampling) ;;
+        tests-sampling) command=("$python" -m pytest -q -m cuda -p no:cacheprovider tests/gpu -k sample) ;;
         *) echo "unknown part: $part (tests, latency, throughput, shared-prefix, serve, serve-floor," \
-                "throughput-fp8, tests-fp8, kernels-fp8, sweep-fp8, throughput-fp8-token-major, products-256)" >&2
+                "throughput-fp8, tests-fp8, kernels-fp8, sweep-fp8, throughput-fp8-token-major, products-256," \
+                "sampling, tests-sampling)" >&2
            exit 2 ;;
     esac
     part_limit=$limit

@@ -5,6 +5,7 @@ Outputs the kernels allocate are poisoned with NaN (or -1 for integers), so an u
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -38,7 +39,7 @@ from tinyvllm.ops.rotary import (  # noqa: E402
     rotary_embedding_and_store_ref,
     rotary_embedding_and_store_triton,
 )
-from tinyvllm.ops.sampling import _exponential, sample_triton  # noqa: E402
+from tinyvllm.ops.sampling import _exponential, sample_cdf_triton, sample_triton  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"),  # log(0) = -inf on purpose in sampling
               pytest.mark.usefixtures("poison_outputs")]  # (conftest: unwritten outputs show as NaN)
@@ -457,6 +458,28 @@ def test_sample_greedy_and_top_k_1_are_argmax() -> None:
     assert out.tolist() == logits.argmax(-1).tolist()
 
 
+def test_sample_cdf_greedy_and_top_k_1_are_argmax() -> None:
+    logits = torch.randn(6, 9000)  # three chunks per row
+    temperature, top_k, top_p, min_p = _params(6, top_p=0.9)
+    temperature[:3] = 0.0
+    top_k[3:] = 1
+    assert sample_cdf_triton(logits, temperature, top_k, top_p, min_p, torch.arange(6)).tolist() == (
+        logits.argmax(-1).tolist())
+
+
+@pytest.mark.parametrize("vocab", [300, 9000])
+def test_sample_cdf_depends_only_on_own_row_and_seed(vocab: int) -> None:
+    logits = torch.randn(5, vocab)
+    temperature, top_k, top_p, min_p = _params(5, temperature=1.5, top_k=40)
+    top_p[1], min_p[2], top_k[3] = 0.7, 0.05, 0
+    seeds = torch.tensor([11, 22, 33, 44, 55])
+    together = sample_cdf_triton(logits, temperature, top_k, top_p, min_p, seeds)
+    for row in range(5):
+        alone = sample_cdf_triton(*(t[row:row + 1] for t in (logits, temperature, top_k, top_p, min_p, seeds)))
+        assert alone.item() == together[row].item()
+    assert len(set(together.tolist())) > 1
+
+
 def test_sample_depends_only_on_own_row_and_seed() -> None:
     logits = torch.randn(5, 300)
     temperature, top_k, top_p, min_p = _params(5, temperature=1.5, top_k=40)
@@ -479,12 +502,13 @@ def test_sample_depends_only_on_own_row_and_seed() -> None:
 _CHI2_CRITICAL = [15.14, 18.42, 21.11, 23.51, 25.74, 27.86, 29.88]
 
 
+@pytest.mark.parametrize("sampler", [sample_triton, sample_cdf_triton], ids=["race", "cdf"])
 @pytest.mark.parametrize(
     "temperature,top_k,top_p,min_p",
     [(0.7, 0, 0.8, 0.0), (1.3, 5, 1.0, 0.0), (1.0, 0, 1.0, 0.1), (2.0, 6, 0.9, 0.02)],
 )
 def test_sample_frequencies_follow_truncated_softmax(
-    temperature: float, top_k: int, top_p: float, min_p: float
+    sampler: Callable, temperature: float, top_k: int, top_p: float, min_p: float
 ) -> None:
     draws = 2000
     logits = torch.tensor([0.3, -1.2, 1.1, 2.0, 2.4, -0.2, 0.9, 0.0])
@@ -499,12 +523,27 @@ def test_sample_frequencies_follow_truncated_softmax(
     expected = expected / expected.sum()
 
     params = _params(draws, temperature, top_k, top_p, min_p)
-    out = sample_triton(logits.repeat(draws, 1), *params, torch.arange(draws) * 7919 + 1)
+    out = sampler(logits.repeat(draws, 1), *params, torch.arange(draws) * 7919 + 1)
     counts = torch.bincount(out, minlength=8).double()
     kept = expected > 0
     assert counts[~kept].sum() == 0, f"masked tokens drawn: {counts.tolist()}"
     chi2 = float(((counts[kept] - draws * expected[kept]) ** 2 / (draws * expected[kept])).sum())
     assert chi2 < _CHI2_CRITICAL[int(kept.sum()) - 2], f"chi2={chi2:.1f}, counts={counts.tolist()}"
+
+
+def test_sample_cdf_frequencies_across_chunks() -> None:
+    """Rows of 10,000 tokens, three chunks of sample_cdf_triton's first pass, their mass in four tokens spread over
+    the chunks (the rest 30 below): each drawn as often as its probability says."""
+    draws = 1500
+    logits = torch.full((10000,), -30.0)
+    hot = torch.tensor([5, 4100, 8200, 9999])
+    logits[hot] = torch.tensor([1.0, 0.5, 1.5, 0.0])
+    expected = logits[hot].softmax(-1)
+    out = sample_cdf_triton(logits.repeat(draws, 1), *_params(draws), torch.arange(draws) * 31 + 7)
+    counts = torch.stack([(out == token).sum() for token in hot]).double()
+    assert counts.sum() == draws
+    chi2 = float(((counts - draws * expected) ** 2 / (draws * expected)).sum())
+    assert chi2 < _CHI2_CRITICAL[2], f"chi2={chi2:.1f}, counts={counts.tolist()}"
 
 
 # The kernels split each row into chunks of chunk_size tokens (separate programs), then reduce the chunks'
@@ -589,6 +628,29 @@ def test_sample_min_p_rows_beside_others() -> None:
     plain = ~with_min_p
     alone = sample_triton(logits[plain], temperature[plain], top_k[plain], top_p[plain], min_p[plain], seeds[plain],
                           False, 20, False, chunk_size=1000)
+    assert alone.tolist() == hinted[plain].tolist()
+
+
+def test_sample_cdf_min_p_rows_beside_others() -> None:
+    rows, vocab = 12, 9000
+    logits = 2 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3))
+    min_p = torch.tensor([0.0, 0.3, 0.05, 1.5, 0.2, 0.0] * 2)
+    temperature = torch.tensor([1.0, 1.0, 0.7, 1.0, 0.0, 1.3] * 2)
+    top_k = torch.tensor([0, 0, 20, 0, 0, 0] * 2)
+    top_p, seeds = torch.ones(rows), torch.arange(rows) + 100
+    hinted = sample_cdf_triton(logits, temperature, top_k, top_p, min_p, seeds, False, 20, True)
+    assert sample_cdf_triton(logits, temperature, top_k, top_p, min_p, seeds).tolist() == hinted.tolist()
+    chosen = logits.gather(1, hinted[:, None]).squeeze(1)
+    row_max = logits.max(-1).values
+    with_min_p = min_p > 0
+    threshold = row_max + temperature.clamp(min=1e-6) * min_p.clamp(max=1).log()
+    assert (chosen[with_min_p] >= threshold[with_min_p] - 1e-5).all()
+    assert hinted[min_p > 1].tolist() == logits[min_p > 1].argmax(-1).tolist()
+    assert hinted[temperature == 0].tolist() == logits[temperature == 0].argmax(-1).tolist()
+    assert ((logits[top_k == 20] > chosen[top_k == 20, None]).sum(-1) < 20).all()  # within their top 20
+    plain = ~with_min_p  # the rows without min-p draw the same without the others and without the min-p pass
+    alone = sample_cdf_triton(*(t[plain] for t in (logits, temperature, top_k, top_p, min_p, seeds)), False, 20,
+                              False)
     assert alone.tolist() == hinted[plain].tolist()
 
 
