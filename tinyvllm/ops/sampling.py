@@ -295,7 +295,6 @@ if triton is not None:
         token = tl.where((temperature != 0) & (race_best > float("-inf")), sampled, greedy)
         tl.store(out_ptr + rows, token.to(tl.int64), mask=row_mask)
 
-
     # Inverse-CDF sampling (sample_cdf_triton): one random number per row instead of one per token. Pass 1, a
     # program per (row, chunk of _CDF_CHUNK tokens): the chunk's max and first argmax (greedy rows), and for a
     # sampled row the mass of its kept tokens, sum exp2((x - m) * log2(e) / T) over x >= threshold, on the scale
@@ -386,7 +385,7 @@ if triton is not None:
             cumulative = tl.cumsum(weight, axis=0)
             total = tl.max(cumulative, axis=0)
             r0, r1, r2, r3 = tl.randint4x(tl.load(seeds_ptr + row), tl.zeros([1], dtype=tl.int32))
-            # u in [0, 1) from 64 random bits
+            # u uniform on [0, 1) from 64 random bits (1 itself only by float64 rounding: the fallbacks below)
             u = tl.sum(r0.to(tl.float64) * 2.3283064365386963e-10 + r1.to(tl.float64) * 5.421010862427522e-20, axis=0)
             target = u * total
             # the chunk holding the target: the first whose cumulative mass passes it
