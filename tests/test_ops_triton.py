@@ -601,56 +601,55 @@ def test_sample_greedy_rows_are_argmax_with_ties(vocab: int, chunk_size: int | N
         assert greedy.tolist() == expected.tolist(), dtype
 
 
-def test_sample_min_p_rows_beside_others() -> None:
-    rows, vocab = 24, 3000
-    logits = 2 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3))
+def _min_p_rows(vocab: int, repeats: int) -> tuple[torch.Tensor, ...]:
+    """Rows with and without min-p side by side: (logits, temperature, top_k, top_p, min_p, seeds)."""
+    logits = 2 * torch.randn(6 * repeats, vocab, generator=torch.Generator().manual_seed(3))
     # min_p 0.3 at T = 1 keeps the few tokens within log(0.3) of the max: without it most of the mass is below
-    min_p = torch.tensor([0.0, 0.3, 0.05, 1.5, 0.2, 0.0] * 4)
-    temperature = torch.tensor([1.0, 1.0, 0.7, 1.0, 0.0, 1.3] * 4)
-    top_k = torch.tensor([0, 0, 20, 0, 0, 0] * 4)
-    top_p, seeds = torch.ones(rows), torch.arange(rows) + 100
+    min_p = torch.tensor([0.0, 0.3, 0.05, 1.5, 0.2, 0.0] * repeats)
+    temperature = torch.tensor([1.0, 1.0, 0.7, 1.0, 0.0, 1.3] * repeats)
+    top_k = torch.tensor([0, 0, 20, 0, 0, 0] * repeats)
+    return logits, temperature, top_k, torch.ones(6 * repeats), min_p, torch.arange(6 * repeats) + 100
+
+
+def _assert_min_p_draws(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,
+                        drawn: torch.Tensor) -> None:
+    chosen = logits.gather(1, drawn[:, None]).squeeze(1)
+    row_max = logits.max(-1).values
+    with_min_p = min_p > 0
+    # p_token >= min_p * p_max: x >= x_max + T log(min_p), and only the argmax above min_p = 1
+    threshold = row_max + temperature.clamp(min=1e-6) * min_p.clamp(max=1).log()
+    assert (chosen[with_min_p] >= threshold[with_min_p] - 1e-5).all()
+    assert drawn[min_p > 1].tolist() == logits[min_p > 1].argmax(-1).tolist()
+    assert drawn[temperature == 0].tolist() == logits[temperature == 0].argmax(-1).tolist()
+    assert (chosen[min_p == 0.3] < row_max[min_p == 0.3]).any()  # min_p = 0.3 rows do not all take the argmax
+
+
+def test_sample_min_p_rows_beside_others() -> None:
+    logits, temperature, top_k, top_p, min_p, seeds = _min_p_rows(3000, 4)
+    vocab = logits.shape[1]
     hinted = sample_triton(logits, temperature, top_k, top_p, min_p, seeds, False, 20, True, chunk_size=1000)
     assert sample_triton(logits, temperature, top_k, top_p, min_p, seeds, chunk_size=1000).tolist() == hinted.tolist()
     assert sample_triton(logits, temperature, top_k, top_p, min_p, seeds, False, 20, chunk_size=1000).tolist() == (
         hinted.tolist()
     )
     assert sample_triton(logits, temperature, top_k, top_p, min_p, seeds, chunk_size=vocab).tolist() == hinted.tolist()
-    chosen = logits.gather(1, hinted[:, None]).squeeze(1)
-    row_max = logits.max(-1).values
-    with_min_p = min_p > 0
-    # p_token >= min_p * p_max: x >= x_max + T log(min_p), and only the argmax above min_p = 1
-    threshold = row_max + temperature.clamp(min=1e-6) * min_p.clamp(max=1).log()
-    assert (chosen[with_min_p] >= threshold[with_min_p] - 1e-5).all()
-    assert hinted[min_p > 1].tolist() == logits[min_p > 1].argmax(-1).tolist()
-    assert hinted[temperature == 0].tolist() == logits[temperature == 0].argmax(-1).tolist()
-    assert (chosen[min_p == 0.3] < row_max[min_p == 0.3]).any()  # min_p = 0.3 rows do not all take the argmax
+    _assert_min_p_draws(logits, temperature, min_p, hinted)
     # the rows without min-p draw the same tokens from the one-pass kernel (use_min_p=False), without the others
-    plain = ~with_min_p
+    plain = min_p <= 0
     alone = sample_triton(logits[plain], temperature[plain], top_k[plain], top_p[plain], min_p[plain], seeds[plain],
                           False, 20, False, chunk_size=1000)
     assert alone.tolist() == hinted[plain].tolist()
 
 
 def test_sample_cdf_min_p_rows_beside_others() -> None:
-    rows, vocab = 12, 9000
-    logits = 2 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3))
-    min_p = torch.tensor([0.0, 0.3, 0.05, 1.5, 0.2, 0.0] * 2)
-    temperature = torch.tensor([1.0, 1.0, 0.7, 1.0, 0.0, 1.3] * 2)
-    top_k = torch.tensor([0, 0, 20, 0, 0, 0] * 2)
-    top_p, seeds = torch.ones(rows), torch.arange(rows) + 100
-    hinted = sample_cdf_triton(logits, temperature, top_k, top_p, min_p, seeds, False, 20, True)
-    assert sample_cdf_triton(logits, temperature, top_k, top_p, min_p, seeds).tolist() == hinted.tolist()
+    params = logits, temperature, top_k, top_p, min_p, seeds = _min_p_rows(9000, 2)  # three chunks per row
+    hinted = sample_cdf_triton(*params, False, 20, True)
+    assert sample_cdf_triton(*params).tolist() == hinted.tolist()
+    _assert_min_p_draws(logits, temperature, min_p, hinted)
     chosen = logits.gather(1, hinted[:, None]).squeeze(1)
-    row_max = logits.max(-1).values
-    with_min_p = min_p > 0
-    threshold = row_max + temperature.clamp(min=1e-6) * min_p.clamp(max=1).log()
-    assert (chosen[with_min_p] >= threshold[with_min_p] - 1e-5).all()
-    assert hinted[min_p > 1].tolist() == logits[min_p > 1].argmax(-1).tolist()
-    assert hinted[temperature == 0].tolist() == logits[temperature == 0].argmax(-1).tolist()
     assert ((logits[top_k == 20] > chosen[top_k == 20, None]).sum(-1) < 20).all()  # within their top 20
-    plain = ~with_min_p  # the rows without min-p draw the same without the others and without the min-p pass
-    alone = sample_cdf_triton(*(t[plain] for t in (logits, temperature, top_k, top_p, min_p, seeds)), False, 20,
-                              False)
+    plain = min_p <= 0  # the rows without min-p draw the same without the others and without the min-p pass
+    alone = sample_cdf_triton(*(t[plain] for t in params), False, 20, False)
     assert alone.tolist() == hinted[plain].tolist()
 
 
