@@ -546,6 +546,30 @@ def test_sample_cdf_frequencies_across_chunks() -> None:
     assert chi2 < _CHI2_CRITICAL[2], f"chi2={chi2:.1f}, counts={counts.tolist()}"
 
 
+@triton.jit
+def _cdf_u_kernel(out_ptr, seeds_ptr, N: tl.constexpr):
+    """The u that _cdf_pick_kernel draws for each seed (the same Philox call and bits)."""
+    offs = tl.arange(0, N)
+    r0, r1, r2, r3 = tl.randint4x(tl.load(seeds_ptr + offs), tl.zeros([N], dtype=tl.int32))
+    tl.store(out_ptr + offs, r0.to(tl.float64) * 2.3283064365386963e-10 + r1.to(tl.float64) * 5.421010862427522e-20)
+
+
+def test_sample_cdf_draws_tokens_below_the_running_sums_last_digit_and_never_minus_inf() -> None:
+    """A row whose 2,999 tokens after its max each weigh under half a float32 digit of the running sum (together
+    1.8e-4 of the mass), then -inf tokens (a masked vocabulary's padding), no truncation: the 40 seeds of 65,536
+    whose u is highest land in that last 1.8e-4. They must draw those small tokens, never a -inf one (a float32 scan
+    lost the small ones, and its fallback took the last -inf token)."""
+    seeds = torch.arange(1 << 16)
+    u = torch.empty(seeds.shape, dtype=torch.float64)
+    _cdf_u_kernel[(1,)](u, seeds, N=seeds.numel())
+    top = seeds[u.argsort(descending=True)[:40]]
+    logits = torch.full((4000,), float("-inf"))
+    logits[0], logits[1:3000] = 0.0, math.log(0.99 * 2.0**-24)
+    out = sample_cdf_triton(logits.repeat(40, 1), *_params(40), top)
+    assert (out < 3000).all(), out.tolist()
+    assert ((out >= 1) & (out < 3000)).sum() >= 5, out.tolist()  # ~12 of the 40 u fall in the small tokens' mass
+
+
 # The kernels split each row into chunks of chunk_size tokens (separate programs), then reduce the chunks'
 # winners: the tests force small chunks and blocks so that a row spans several chunks and a chunk several blocks.
 

@@ -300,9 +300,9 @@ if triton is not None:
     # sampled row the mass of its kept tokens, sum exp2((x - m) * log2(e) / T) over x >= threshold, on the scale
     # of m, the largest kept logit of the chunk. (Rows with min-p get that in a second pass, once the row's max is
     # known.) Pass 2, a program per row: the chunks' masses on one scale, summed in float64; u * total, u uniform
-    # on [0, 1) from 64 Philox bits of the row's seed, falls in one chunk; a cumulative sum over that chunk's kept
-    # tokens finds the token. The chunks are fixed in size, so a row's draw depends on its logits, parameters and
-    # seed only.
+    # on [0, 1) from 64 Philox bits of the row's seed, falls in one chunk; a float64 cumulative sum over that
+    # chunk's kept tokens finds the token (the same fraction of the chunk's mass, as this sum counts it). The
+    # chunks are fixed in size, so a row's draw depends on its logits, parameters and seed only.
     @triton.jit
     def _cdf_threshold(row, temperature, min_p, cutoff_ptr, maxima_ptr, num_chunks,
                        HAS_CUTOFF: tl.constexpr, DEFER_MIN_P: tl.constexpr, CHUNKS: tl.constexpr):
@@ -395,20 +395,22 @@ if triton is not None:
             if chosen >= 0:
                 before = tl.sum(tl.where(chunks == chosen, cumulative - weight, 0.0), axis=0)
                 chosen_weight = tl.sum(tl.where(chunks == chosen, weight, 0.0), axis=0)
-                chosen_mass = tl.sum(tl.where(chunks == chosen, mass, 0.0), axis=0)
                 chosen_max = tl.sum(tl.where(chunks == chosen, kept_max, 0.0), axis=0)
-                # the target within the chunk, on the chunk's own scale (its mass as the chunk kernel summed it)
-                local = ((target - before) / chosen_weight * chosen_mass).to(tl.float32)
+                # where the target falls within the chunk, as a fraction of its mass
+                fraction = tl.minimum(tl.maximum((target - before) / chosen_weight, 0.0), 1.0)
                 threshold = _cdf_threshold(row, t, tl.load(min_p_ptr + row), cutoff_ptr, stats_ptr, num_chunks,
                                            HAS_CUTOFF, DEFER_MIN_P, CHUNKS)
                 cols = chosen * CHUNK + tl.arange(0, CHUNK)
                 x = tl.load(logits_ptr + tl.cast(row, tl.int64) * stride_logits + cols, mask=cols < vocab,
                             other=float("-inf")).to(tl.float32)
-                keep = (cols < vocab) & (x >= threshold)
-                running = tl.cumsum(tl.where(keep, tl.exp2((x - chosen_max) * scale), 0.0), axis=0)
-                picked = tl.min(tl.where(keep & (running > local), cols, 2147483647), axis=0)
-                last = tl.max(tl.where(keep, cols, -1), axis=0)
-                token = tl.where(picked < 2147483647, picked, last)
+                # the kept tokens' weights (0 for -inf logits too: never drawn), summed in float64 so that no token
+                # is lost below the running sum's last digit; the fraction taken of this scan's own total
+                w = tl.where((cols < vocab) & (x >= threshold), tl.exp2((x - chosen_max) * scale), 0.0)
+                running = tl.cumsum(w.to(tl.float64), axis=0)
+                local = fraction * tl.max(running, axis=0)
+                picked = tl.min(tl.where((w > 0) & (running > local), cols, 2147483647), axis=0)
+                last = tl.max(tl.where(w > 0, cols, -1), axis=0)
+                token = tl.where(picked < 2147483647, picked, tl.where(last >= 0, last, token))
         tl.store(out_ptr + row, token.to(tl.int64))
 
 
