@@ -155,8 +155,7 @@ class Scheduler:
         plans while this one runs. (Blocks that decoding fills are cached by update_from_output: waiting requests
         share prompts, and leaving the decoding sequences out here keeps a decode step's host time down.)"""
         prompting, self._prompting = self._prompting, []
-        if self.block_manager.enable_prefix_caching:
-            self.block_manager.cache_full_blocks(prompting)
+        self.block_manager.cache_full_blocks(prompting)  # (at once without prefix caching)
 
     def _describe(self, out: SchedulerOutput, scheduled: list[Sequence]) -> None:
         """Fill in what the runner needs of each scheduled sequence, and count the step's tokens as computed
