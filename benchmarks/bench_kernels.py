@@ -113,7 +113,7 @@ from tinyvllm.ops.rotary import (  # noqa: E402
     rotary_embedding_and_store_ref,
     rotary_embedding_and_store_triton,
 )
-from tinyvllm.ops.sampling import sample_cdf_triton, sample_ref, sample_triton  # noqa: E402
+from tinyvllm.ops.sampling import sample_ref, sample_triton  # noqa: E402
 from tinyvllm.worker.sampler import _KERNEL_GREEDY_MAX_ROWS  # noqa: E402
 
 DEVICE = torch.device("cuda")
@@ -613,11 +613,6 @@ def bench_sampling(table: Table) -> None:
         argmax_graph = 1e3 * bench_graph(lambda x=logits: x.argmax(dim=-1), 1)
         table.add(f"sample B={batch} V={VOCAB} T={temperature}, hinted, CUDA graph",
                   1e3 * bench_graph(lambda a=sampled: sample_triton(*a), 1), "torch.argmax, CUDA graph", argmax_graph)
-        # inverse-CDF sampling (one random number per row) against the race, on bf16 logits as the engine's
-        half = (logits.bfloat16(), *sampled[1:])
-        table.add(f"sample_cdf B={batch} V={VOCAB} T={temperature} bf16, hinted, CUDA graph",
-                  1e3 * bench_graph(lambda a=half: sample_cdf_triton(*a), 1), "sample_triton (race), CUDA graph",
-                  1e3 * bench_graph(lambda a=half: sample_triton(*a), 1))
         if QUICK or batch not in (1, 256):
             continue
         default = 1e3 * bench_graph(lambda a=sampled: sample_triton(*a), 1)

@@ -5,8 +5,8 @@
 # float8 KV cache (kv_cache_dtype="fp8"): throughput-fp8 (throughput-256 with it: run it beside throughput to
 # compare), tests-fp8 (the GPU tests of its kernels and engine), kernels-fp8 (decode attention on it) and sweep-fp8
 # (its decode tiles), throughput-fp8-token-major (throughput-fp8 with the pools token-major, TINYVLLM_KV_HEAD_MAJOR=0);
-# products-256 (cuBLAS and our Triton tiles at a 128- and 256-sequence step's rows); sampling (the sampling table:
-# the race against inverse-CDF sampling among its rows) and tests-sampling (the GPU tests of both samplers), e.g.
+# products-256 (cuBLAS and our Triton tiles at a 128- and 256-sequence step's rows); sampling (the sampling table)
+# and tests-sampling (the sampler's GPU tests), e.g.
 #     bash scripts/gpu_check.sh tests latency
 # PYTHON picks the interpreter (default python3); LIMIT_S the seconds per part (default 300, and 900 for the tests:
 # on an H100 the 209 GPU tests took more than 280 s, and the float8 KV cache's engine tests start six engines more).

@@ -5,7 +5,6 @@ Outputs the kernels allocate are poisoned with NaN (or -1 for integers), so an u
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -39,7 +38,7 @@ from tinyvllm.ops.rotary import (  # noqa: E402
     rotary_embedding_and_store_ref,
     rotary_embedding_and_store_triton,
 )
-from tinyvllm.ops.sampling import _exponential, sample_cdf_triton, sample_triton  # noqa: E402
+from tinyvllm.ops.sampling import _exponential, sample_triton  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"),  # log(0) = -inf on purpose in sampling
               pytest.mark.usefixtures("poison_outputs")]  # (conftest: unwritten outputs show as NaN)
@@ -458,28 +457,6 @@ def test_sample_greedy_and_top_k_1_are_argmax() -> None:
     assert out.tolist() == logits.argmax(-1).tolist()
 
 
-def test_sample_cdf_greedy_and_top_k_1_are_argmax() -> None:
-    logits = torch.randn(6, 9000)  # three chunks per row
-    temperature, top_k, top_p, min_p = _params(6, top_p=0.9)
-    temperature[:3] = 0.0
-    top_k[3:] = 1
-    assert sample_cdf_triton(logits, temperature, top_k, top_p, min_p, torch.arange(6)).tolist() == (
-        logits.argmax(-1).tolist())
-
-
-@pytest.mark.parametrize("vocab", [300, 9000])
-def test_sample_cdf_depends_only_on_own_row_and_seed(vocab: int) -> None:
-    logits = torch.randn(5, vocab)
-    temperature, top_k, top_p, min_p = _params(5, temperature=1.5, top_k=40)
-    top_p[1], min_p[2], top_k[3] = 0.7, 0.05, 0
-    seeds = torch.tensor([11, 22, 33, 44, 55])
-    together = sample_cdf_triton(logits, temperature, top_k, top_p, min_p, seeds)
-    for row in range(5):
-        alone = sample_cdf_triton(*(t[row:row + 1] for t in (logits, temperature, top_k, top_p, min_p, seeds)))
-        assert alone.item() == together[row].item()
-    assert len(set(together.tolist())) > 1
-
-
 def test_sample_depends_only_on_own_row_and_seed() -> None:
     logits = torch.randn(5, 300)
     temperature, top_k, top_p, min_p = _params(5, temperature=1.5, top_k=40)
@@ -502,13 +479,12 @@ def test_sample_depends_only_on_own_row_and_seed() -> None:
 _CHI2_CRITICAL = [15.14, 18.42, 21.11, 23.51, 25.74, 27.86, 29.88]
 
 
-@pytest.mark.parametrize("sampler", [sample_triton, sample_cdf_triton], ids=["race", "cdf"])
 @pytest.mark.parametrize(
     "temperature,top_k,top_p,min_p",
     [(0.7, 0, 0.8, 0.0), (1.3, 5, 1.0, 0.0), (1.0, 0, 1.0, 0.1), (2.0, 6, 0.9, 0.02)],
 )
 def test_sample_frequencies_follow_truncated_softmax(
-    sampler: Callable, temperature: float, top_k: int, top_p: float, min_p: float
+    temperature: float, top_k: int, top_p: float, min_p: float
 ) -> None:
     draws = 2000
     logits = torch.tensor([0.3, -1.2, 1.1, 2.0, 2.4, -0.2, 0.9, 0.0])
@@ -523,51 +499,12 @@ def test_sample_frequencies_follow_truncated_softmax(
     expected = expected / expected.sum()
 
     params = _params(draws, temperature, top_k, top_p, min_p)
-    out = sampler(logits.repeat(draws, 1), *params, torch.arange(draws) * 7919 + 1)
+    out = sample_triton(logits.repeat(draws, 1), *params, torch.arange(draws) * 7919 + 1)
     counts = torch.bincount(out, minlength=8).double()
     kept = expected > 0
     assert counts[~kept].sum() == 0, f"masked tokens drawn: {counts.tolist()}"
     chi2 = float(((counts[kept] - draws * expected[kept]) ** 2 / (draws * expected[kept])).sum())
     assert chi2 < _CHI2_CRITICAL[int(kept.sum()) - 2], f"chi2={chi2:.1f}, counts={counts.tolist()}"
-
-
-def test_sample_cdf_frequencies_across_chunks() -> None:
-    """Rows of 10,000 tokens, three chunks of sample_cdf_triton's first pass, their mass in four tokens spread over
-    the chunks (the rest 30 below): each drawn as often as its probability says."""
-    draws = 1500
-    logits = torch.full((10000,), -30.0)
-    hot = torch.tensor([5, 4100, 8200, 9999])
-    logits[hot] = torch.tensor([1.0, 0.5, 1.5, 0.0])
-    expected = logits[hot].softmax(-1)
-    out = sample_cdf_triton(logits.repeat(draws, 1), *_params(draws), torch.arange(draws) * 31 + 7)
-    counts = torch.stack([(out == token).sum() for token in hot]).double()
-    assert counts.sum() == draws
-    chi2 = float(((counts - draws * expected) ** 2 / (draws * expected)).sum())
-    assert chi2 < _CHI2_CRITICAL[2], f"chi2={chi2:.1f}, counts={counts.tolist()}"
-
-
-@triton.jit
-def _cdf_u_kernel(out_ptr, seeds_ptr, N: tl.constexpr):
-    """The u that _cdf_pick_kernel draws for each seed (the same Philox call and bits)."""
-    offs = tl.arange(0, N)
-    r0, r1, r2, r3 = tl.randint4x(tl.load(seeds_ptr + offs), tl.zeros([N], dtype=tl.int32))
-    tl.store(out_ptr + offs, r0.to(tl.float64) * 2.3283064365386963e-10 + r1.to(tl.float64) * 5.421010862427522e-20)
-
-
-def test_sample_cdf_draws_tokens_below_the_running_sums_last_digit_and_never_minus_inf() -> None:
-    """A row whose 2,999 tokens after its max each weigh under half a float32 digit of the running sum (together
-    1.8e-4 of the mass), then -inf tokens (a masked vocabulary's padding), no truncation: the 40 seeds of 65,536
-    whose u is highest land in that last 1.8e-4. They must draw those small tokens, never a -inf one (a float32 scan
-    lost the small ones, and its fallback took the last -inf token)."""
-    seeds = torch.arange(1 << 16)
-    u = torch.empty(seeds.shape, dtype=torch.float64)
-    _cdf_u_kernel[(1,)](u, seeds, N=seeds.numel())
-    top = seeds[u.argsort(descending=True)[:40]]
-    logits = torch.full((4000,), float("-inf"))
-    logits[0], logits[1:3000] = 0.0, math.log(0.99 * 2.0**-24)
-    out = sample_cdf_triton(logits.repeat(40, 1), *_params(40), top)
-    assert (out < 3000).all(), out.tolist()
-    assert ((out >= 1) & (out < 3000)).sum() >= 5, out.tolist()  # ~12 of the 40 u fall in the small tokens' mass
 
 
 # The kernels split each row into chunks of chunk_size tokens (separate programs), then reduce the chunks'
@@ -625,55 +562,33 @@ def test_sample_greedy_rows_are_argmax_with_ties(vocab: int, chunk_size: int | N
         assert greedy.tolist() == expected.tolist(), dtype
 
 
-def _min_p_rows(vocab: int, repeats: int) -> tuple[torch.Tensor, ...]:
-    """Rows with and without min-p side by side: (logits, temperature, top_k, top_p, min_p, seeds)."""
-    logits = 2 * torch.randn(6 * repeats, vocab, generator=torch.Generator().manual_seed(3))
-    # min_p 0.3 at T = 1 keeps the few tokens within log(0.3) of the max: without it most of the mass is below
-    min_p = torch.tensor([0.0, 0.3, 0.05, 1.5, 0.2, 0.0] * repeats)
-    temperature = torch.tensor([1.0, 1.0, 0.7, 1.0, 0.0, 1.3] * repeats)
-    top_k = torch.tensor([0, 0, 20, 0, 0, 0] * repeats)
-    return logits, temperature, top_k, torch.ones(6 * repeats), min_p, torch.arange(6 * repeats) + 100
-
-
-def _assert_min_p_draws(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,
-                        drawn: torch.Tensor) -> None:
-    chosen = logits.gather(1, drawn[:, None]).squeeze(1)
-    row_max = logits.max(-1).values
-    with_min_p = min_p > 0
-    # p_token >= min_p * p_max: x >= x_max + T log(min_p), and only the argmax above min_p = 1
-    threshold = row_max + temperature.clamp(min=1e-6) * min_p.clamp(max=1).log()
-    assert (chosen[with_min_p] >= threshold[with_min_p] - 1e-5).all()
-    assert drawn[min_p > 1].tolist() == logits[min_p > 1].argmax(-1).tolist()
-    assert drawn[temperature == 0].tolist() == logits[temperature == 0].argmax(-1).tolist()
-    assert (chosen[min_p == 0.3] < row_max[min_p == 0.3]).any()  # min_p = 0.3 rows do not all take the argmax
-
-
 def test_sample_min_p_rows_beside_others() -> None:
-    logits, temperature, top_k, top_p, min_p, seeds = _min_p_rows(3000, 4)
-    vocab = logits.shape[1]
+    rows, vocab = 24, 3000
+    logits = 2 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3))
+    # min_p 0.3 at T = 1 keeps the few tokens within log(0.3) of the max: without it most of the mass is below
+    min_p = torch.tensor([0.0, 0.3, 0.05, 1.5, 0.2, 0.0] * 4)
+    temperature = torch.tensor([1.0, 1.0, 0.7, 1.0, 0.0, 1.3] * 4)
+    top_k = torch.tensor([0, 0, 20, 0, 0, 0] * 4)
+    top_p, seeds = torch.ones(rows), torch.arange(rows) + 100
     hinted = sample_triton(logits, temperature, top_k, top_p, min_p, seeds, False, 20, True, chunk_size=1000)
     assert sample_triton(logits, temperature, top_k, top_p, min_p, seeds, chunk_size=1000).tolist() == hinted.tolist()
     assert sample_triton(logits, temperature, top_k, top_p, min_p, seeds, False, 20, chunk_size=1000).tolist() == (
         hinted.tolist()
     )
     assert sample_triton(logits, temperature, top_k, top_p, min_p, seeds, chunk_size=vocab).tolist() == hinted.tolist()
-    _assert_min_p_draws(logits, temperature, min_p, hinted)
+    chosen = logits.gather(1, hinted[:, None]).squeeze(1)
+    row_max = logits.max(-1).values
+    with_min_p = min_p > 0
+    # p_token >= min_p * p_max: x >= x_max + T log(min_p), and only the argmax above min_p = 1
+    threshold = row_max + temperature.clamp(min=1e-6) * min_p.clamp(max=1).log()
+    assert (chosen[with_min_p] >= threshold[with_min_p] - 1e-5).all()
+    assert hinted[min_p > 1].tolist() == logits[min_p > 1].argmax(-1).tolist()
+    assert hinted[temperature == 0].tolist() == logits[temperature == 0].argmax(-1).tolist()
+    assert (chosen[min_p == 0.3] < row_max[min_p == 0.3]).any()  # min_p = 0.3 rows do not all take the argmax
     # the rows without min-p draw the same tokens from the one-pass kernel (use_min_p=False), without the others
-    plain = min_p <= 0
+    plain = ~with_min_p
     alone = sample_triton(logits[plain], temperature[plain], top_k[plain], top_p[plain], min_p[plain], seeds[plain],
                           False, 20, False, chunk_size=1000)
-    assert alone.tolist() == hinted[plain].tolist()
-
-
-def test_sample_cdf_min_p_rows_beside_others() -> None:
-    params = logits, temperature, top_k, top_p, min_p, seeds = _min_p_rows(9000, 2)  # three chunks per row
-    hinted = sample_cdf_triton(*params, False, 20, True)
-    assert sample_cdf_triton(*params).tolist() == hinted.tolist()
-    _assert_min_p_draws(logits, temperature, min_p, hinted)
-    chosen = logits.gather(1, hinted[:, None]).squeeze(1)
-    assert ((logits[top_k == 20] > chosen[top_k == 20, None]).sum(-1) < 20).all()  # within their top 20
-    plain = min_p <= 0  # the rows without min-p draw the same without the others and without the min-p pass
-    alone = sample_cdf_triton(*(t[plain] for t in params), False, 20, False)
     assert alone.tolist() == hinted[plain].tolist()
 
 

@@ -53,7 +53,7 @@ from tinyvllm.ops.rotary import (  # noqa: E402
     rotary_embedding_ref,
     to_cache_dtype_ref,
 )
-from tinyvllm.ops.sampling import _exponential, sample_cdf_triton, sample_triton  # noqa: E402
+from tinyvllm.ops.sampling import _exponential, sample_triton  # noqa: E402
 
 pytestmark = CUDA_ONLY
 
@@ -726,32 +726,30 @@ def params(rows: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1
     )
 
 
-@pytest.mark.parametrize("sampler", [sample_triton, sample_cdf_triton], ids=["race", "cdf"])
-def test_sample_greedy_and_top_k_1_rows_are_argmax(sampler: Callable) -> None:
+def test_sample_greedy_and_top_k_1_rows_are_argmax() -> None:
     batch = 64
     logits = 4 * torch.randn(batch, VOCAB, device=DEVICE)
     temperature, top_k, top_p, min_p = params(batch, top_p=0.9)
     temperature[: batch // 2] = 0.0
     top_k[batch // 2 :] = 1
     seeds = torch.arange(batch, device=DEVICE)
-    out = poisoned(sampler, logits, temperature, top_k, top_p, min_p, seeds)
+    out = poisoned(sample_triton, logits, temperature, top_k, top_p, min_p, seeds)
     expected = logits.argmax(-1)
     wrong = (out != expected).nonzero().flatten().tolist()
     assert not wrong, (f"sample B={batch} V={VOCAB}: greedy (rows 0-31) and top_k=1 (rows 32-63) rows {wrong} "
                        f"are not the argmax: {out[wrong].tolist()} != {expected[wrong].tolist()}")
 
 
-@pytest.mark.parametrize("sampler", [sample_triton, sample_cdf_triton], ids=["race", "cdf"])
-def test_sample_row_alone_equals_in_batch(sampler: Callable) -> None:
+def test_sample_row_alone_equals_in_batch() -> None:
     batch = 64
     logits = 4 * torch.randn(batch, VOCAB, device=DEVICE)
     seeds = torch.arange(batch, device=DEVICE)
     temperature, top_k, top_p, min_p = params(batch, temperature=0.8, top_k=50)
     top_p[::3], min_p[1::3], top_k[2::3] = 0.9, 0.05, 0
-    together = sampler(logits, temperature, top_k, top_p, min_p, seeds)
+    together = sample_triton(logits, temperature, top_k, top_p, min_p, seeds)
     rows = list(range(0, batch, 7))
     alone = torch.cat([
-        sampler(logits[i : i + 1], temperature[i : i + 1], top_k[i : i + 1], top_p[i : i + 1],
+        sample_triton(logits[i : i + 1], temperature[i : i + 1], top_k[i : i + 1], top_p[i : i + 1],
                       min_p[i : i + 1], seeds[i : i + 1])
         for i in rows
     ])
@@ -782,9 +780,8 @@ SAMPLING_CASES: dict[str, Callable[[], tuple]] = {
 }
 
 
-@pytest.mark.parametrize("sampler", [sample_triton, sample_cdf_triton], ids=["race", "cdf"])
 @pytest.mark.parametrize("case", list(SAMPLING_CASES))
-def test_sample_distribution(sampler: Callable, case: str) -> None:
+def test_sample_distribution(case: str) -> None:
     """Draws with `draws` different seeds from one row of logits; frequencies against the truncated tempered
     softmax computed by sample_ref's rules (chi-square, p = 1e-4), and no masked token ever drawn."""
     logits, draws, temperature, top_k, top_p, min_p = SAMPLING_CASES[case]()
@@ -798,7 +795,7 @@ def test_sample_distribution(sampler: Callable, case: str) -> None:
     expected = torch.zeros(vocab, device=DEVICE).scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
     expected = (expected / expected.sum()).double()
     seeds = torch.randint(0, 2**62, (draws,), device=DEVICE)
-    out = sampler(logits.expand(draws, vocab), *params(draws, temperature, top_k, top_p, min_p), seeds)
+    out = sample_triton(logits.expand(draws, vocab), *params(draws, temperature, top_k, top_p, min_p), seeds)
     counts = torch.bincount(out, minlength=vocab).double()
     kept = expected > 0
     masked_draws = int(counts[~kept].sum())

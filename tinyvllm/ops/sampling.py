@@ -295,131 +295,12 @@ if triton is not None:
         token = tl.where((temperature != 0) & (race_best > float("-inf")), sampled, greedy)
         tl.store(out_ptr + rows, token.to(tl.int64), mask=row_mask)
 
-    # Inverse-CDF sampling (sample_cdf_triton): one random number per row instead of one per token. Pass 1, a
-    # program per (row, chunk of _CDF_CHUNK tokens): the chunk's max and first argmax (greedy rows), and for a
-    # sampled row the mass of its kept tokens, sum exp2((x - m) * log2(e) / T) over x >= threshold, on the scale
-    # of m, the largest kept logit of the chunk. (Rows with min-p get that in a second pass, once the row's max is
-    # known.) Pass 2, a program per row: the chunks' masses on one scale, summed in float64; u * total, u uniform
-    # on [0, 1) from 64 Philox bits of the row's seed, falls in one chunk; a float64 cumulative sum over that
-    # chunk's kept tokens finds the token (the same fraction of the chunk's mass, as this sum counts it). The
-    # chunks are fixed in size, so a row's draw depends on its logits, parameters and seed only.
-    @triton.jit
-    def _cdf_threshold(row, temperature, min_p, cutoff_ptr, maxima_ptr, num_chunks,
-                       HAS_CUTOFF: tl.constexpr, DEFER_MIN_P: tl.constexpr, CHUNKS: tl.constexpr):
-        """The smallest logit a sampled row keeps: its top-k/top-p cutoff, and with min-p (DEFER_MIN_P: its own
-        pass) x_max + T*log(min_p) (capped at x_max, so the most likely token survives), x_max the largest of its
-        chunk maxima."""
-        threshold = float("-inf")
-        if HAS_CUTOFF:
-            threshold = tl.load(cutoff_ptr + row)
-        if DEFER_MIN_P:
-            if min_p > 0:
-                chunks = tl.arange(0, CHUNKS)
-                best = tl.max(tl.load(maxima_ptr + row * num_chunks + chunks, mask=chunks < num_chunks,
-                                      other=float("-inf")), axis=0)
-                threshold = tl.minimum(tl.maximum(threshold, best + temperature * tl.log(min_p)), best)
-        return threshold
-
-    @triton.jit(do_not_specialize=["num_rows", "vocab", "stride_logits"])
-    def _cdf_chunk_kernel(
-        stats_ptr, index_ptr, logits_ptr, cutoff_ptr, temperature_ptr, min_p_ptr,
-        num_rows, vocab, stride_logits,
-        HAS_CUTOFF: tl.constexpr, DEFER_MIN_P: tl.constexpr, MIN_P_PASS: tl.constexpr, CHUNK: tl.constexpr,
-        CHUNKS: tl.constexpr, USE_PDL: tl.constexpr,
-    ):
-        pdl_wait(USE_PDL)
-        row, chunk, num_chunks = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
-        cols = chunk * CHUNK + tl.arange(0, CHUNK)
-        inside = cols < vocab
-        temperature = tl.load(temperature_ptr + row)
-        min_p = tl.load(min_p_ptr + row)
-        with_min_p = DEFER_MIN_P & (temperature != 0) & (min_p > 0)
-        part = row * num_chunks + chunk
-        if MIN_P_PASS:
-            if not with_min_p:
-                return
-        x = tl.load(logits_ptr + tl.cast(row, tl.int64) * stride_logits + cols, mask=inside,
-                    other=float("-inf")).to(tl.float32)
-        if not MIN_P_PASS:
-            top = tl.max(x, axis=0)
-            tl.store(stats_ptr + part, top)
-            tl.store(index_ptr + part, tl.min(tl.where(x == top, cols, 2147483647), axis=0))
-            if (temperature == 0) | with_min_p:
-                return
-        t = tl.where(temperature > 0, temperature, 1.0)
-        threshold = _cdf_threshold(row, t, min_p, cutoff_ptr, stats_ptr, num_chunks, HAS_CUTOFF, DEFER_MIN_P,
-                                   CHUNKS)
-        keep = inside & (x >= threshold)
-        kept_max = tl.max(tl.where(keep, x, float("-inf")), axis=0)
-        shift = tl.where(kept_max > float("-inf"), kept_max, 0.0)  # (a chunk with nothing kept: mass 0, no NaN)
-        mass = tl.sum(tl.where(keep, tl.exp2((x - shift) * (1.4426950408889634 / t)), 0.0), axis=0)
-        races = num_rows * num_chunks
-        tl.store(stats_ptr + races + part, kept_max)
-        tl.store(stats_ptr + 2 * races + part, mass)
-
-    @triton.jit(do_not_specialize=["num_rows", "num_chunks", "vocab", "stride_logits"])
-    def _cdf_pick_kernel(
-        out_ptr, stats_ptr, index_ptr, logits_ptr, cutoff_ptr, temperature_ptr, min_p_ptr, seeds_ptr,
-        num_rows, num_chunks, vocab, stride_logits,
-        HAS_CUTOFF: tl.constexpr, DEFER_MIN_P: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
-        USE_PDL: tl.constexpr,
-    ):
-        pdl_wait(USE_PDL)
-        row = tl.program_id(0)
-        chunks = tl.arange(0, CHUNKS)
-        valid = chunks < num_chunks
-        base = row * num_chunks
-        maxima = tl.load(stats_ptr + base + chunks, mask=valid, other=float("-inf"))
-        best_chunk = tl.argmax(maxima, axis=0)  # (the first of equal maxima)
-        token = tl.load(index_ptr + base + best_chunk)  # (greedy: the first index of the row's max)
-        temperature = tl.load(temperature_ptr + row)
-        if temperature != 0:
-            t = tl.where(temperature > 0, temperature, 1.0)
-            scale = 1.4426950408889634 / t
-            races = num_rows * num_chunks
-            kept_max = tl.load(stats_ptr + races + base + chunks, mask=valid, other=float("-inf"))
-            mass = tl.load(stats_ptr + 2 * races + base + chunks, mask=valid, other=0.0)
-            top = tl.max(kept_max, axis=0)
-            # each chunk's mass on the row's scale, summed in float64 in token order
-            weight = tl.where(mass > 0, mass * tl.exp2((kept_max - top) * scale), 0.0).to(tl.float64)
-            cumulative = tl.cumsum(weight, axis=0)
-            total = tl.max(cumulative, axis=0)
-            r0, r1, r2, r3 = tl.randint4x(tl.load(seeds_ptr + row), tl.zeros([1], dtype=tl.int32))
-            # u uniform on [0, 1) from 64 random bits (1 itself only by float64 rounding: the fallbacks below)
-            u = tl.sum(r0.to(tl.float64) * 2.3283064365386963e-10 + r1.to(tl.float64) * 5.421010862427522e-20, axis=0)
-            target = u * total
-            # the chunk holding the target: the first whose cumulative mass passes it
-            chosen = tl.min(tl.where(valid & (cumulative > target) & (weight > 0), chunks, CHUNKS), axis=0)
-            chosen = tl.where(chosen < CHUNKS, chosen,
-                              tl.max(tl.where(valid & (weight > 0), chunks, -1), axis=0))
-            if chosen >= 0:
-                before = tl.sum(tl.where(chunks == chosen, cumulative - weight, 0.0), axis=0)
-                chosen_weight = tl.sum(tl.where(chunks == chosen, weight, 0.0), axis=0)
-                chosen_max = tl.sum(tl.where(chunks == chosen, kept_max, 0.0), axis=0)
-                # where the target falls within the chunk, as a fraction of its mass
-                fraction = tl.minimum(tl.maximum((target - before) / chosen_weight, 0.0), 1.0)
-                threshold = _cdf_threshold(row, t, tl.load(min_p_ptr + row), cutoff_ptr, stats_ptr, num_chunks,
-                                           HAS_CUTOFF, DEFER_MIN_P, CHUNKS)
-                cols = chosen * CHUNK + tl.arange(0, CHUNK)
-                x = tl.load(logits_ptr + tl.cast(row, tl.int64) * stride_logits + cols, mask=cols < vocab,
-                            other=float("-inf")).to(tl.float32)
-                # the kept tokens' weights (0 for -inf logits too: never drawn), summed in float64 so that no token
-                # is lost below the running sum's last digit; the fraction taken of this scan's own total
-                w = tl.where((cols < vocab) & (x >= threshold), tl.exp2((x - chosen_max) * scale), 0.0)
-                running = tl.cumsum(w.to(tl.float64), axis=0)
-                local = fraction * tl.max(running, axis=0)
-                picked = tl.min(tl.where((w > 0) & (running > local), cols, 2147483647), axis=0)
-                last = tl.max(tl.where(w > 0, cols, -1), axis=0)
-                token = tl.where(picked < 2147483647, picked, tl.where(last >= 0, last, token))
-        tl.store(out_ptr + row, token.to(tl.int64))
-
 
 # Tokens per program of the chunk kernels: at least MIN (a batch of 1 spreads 128k tokens over ~63 SMs), at most
 # MAX (a large batch keeps few partials per row), else about PROGRAMS_PER_SM programs per SM.
 _MIN_CHUNK, _MAX_CHUNK, _PROGRAMS_PER_SM = 2048, 16384, 4
 _MAX_BLOCK = 1024  # tokens per loop step: 8 per thread at 4 warps (the fastest from 16 rows to 256 on the H200)
 _CPU_SMS = 132  # under the interpreter: an H100/H200's count, so that tests pick the chunks a GPU would
-_CDF_CHUNK = 4096  # tokens per program of sample_cdf_triton's first pass: fixed, for batch-invariant draws
 
 
 def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -434,88 +315,12 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     use_min_p with them. Given those two, use_min_p=None costs no sync: the min-p pass runs, and returns at
     once where no row has min_p > 0. chunk_size (tokens per program) and block (tokens per loop step, a
     power of two) override the heuristics, for tests and benchmarks."""
-    num_rows, vocab = logits.shape
-    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    if num_rows == 0:
-        return out
-    logits, temperature, top_k, top_p, min_p, seeds, cutoff, has_cutoff, defer_min_p = _prepare(
-        logits, temperature, top_k, top_p, min_p, seeds, use_top_p, max_top_k, use_min_p)
-
-    # chunks and blocks start at multiples of 16: of 4, the tokens of one Philox call (_race_scores), and of 8 so that
-    # the chunk kernels read the logits in 16-byte vectors (where the vocabulary is a multiple of 8 too)
-    chunk_size = triton.cdiv(chunk_size or _chunk_size(num_rows, vocab, logits.device), 16) * 16
-    num_chunks = triton.cdiv(vocab, chunk_size)
-    block = max(min(block or _MAX_BLOCK, triton.next_power_of_2(chunk_size)), 16)
-    # one chunk per row (small vocabularies): several rows per program, as in _tile
-    rows = min(triton.next_power_of_2(num_rows), max(1, _MAX_BLOCK // block)) if num_chunks == 1 else 1
-    num_warps = max(1, min(8, block // 256))
-    values = torch.empty((2, num_rows, num_chunks), dtype=torch.float32, device=logits.device)
-    indices = torch.empty((2, num_rows, num_chunks), dtype=torch.int32, device=logits.device)
-    grid = (triton.cdiv(num_rows, rows), num_chunks)
-    args = (values, indices, logits, cutoff, temperature, min_p, seeds, num_rows, vocab, logits.stride(0),
-            chunk_size // 16)
-    fast_log = runs_ptx(logits)
-    _sample_chunk_kernel[grid](
-        *args, HAS_CUTOFF=has_cutoff, DEFER_MIN_P=defer_min_p, ROWS=rows, BLOCK=block, FAST_LOG=fast_log,
-        num_warps=num_warps, **pdl_options(logits),
-    )
-    # CHUNKS (a constexpr) sized for the most chunks any batch size gets, not this one's: otherwise each batch
-    # size band would compile its own variant of the two kernels below, in the middle of a run.
-    chunks_pow2 = triton.next_power_of_2(max(num_chunks, triton.cdiv(vocab, _MIN_CHUNK)))
-    if defer_min_p:
-        _min_p_race_kernel[grid](
-            *args, HAS_CUTOFF=has_cutoff, ROWS=rows, BLOCK=block, CHUNKS=chunks_pow2, FAST_LOG=fast_log,
-            num_warps=num_warps, **pdl_options(logits),
-        )
-    reduce_rows = max(1, 1024 // chunks_pow2)
-    _sample_reduce_kernel[(triton.cdiv(num_rows, reduce_rows),)](
-        out, values, indices, temperature, num_rows, num_chunks, ROWS=reduce_rows, CHUNKS=chunks_pow2, num_warps=4,
-        **pdl_options(logits),
-    )
-    return out
-
-
-def sample_cdf_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                      min_p: torch.Tensor, seeds: torch.Tensor, use_top_p: bool | None = None,
-                      max_top_k: int | None = None, use_min_p: bool | None = None) -> torch.Tensor:
-    """sample_triton's draw by the inverse of the truncated softmax's CDF (the kernels' comment): the same
-    truncation and hints, one Philox call per row where the exponential race takes one per four tokens. A
-    different random stream: a seed draws other tokens than sample_triton's, from the same distribution."""
-    num_rows, vocab = logits.shape
-    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    if num_rows == 0:
-        return out
-    logits, temperature, top_k, top_p, min_p, seeds, cutoff, has_cutoff, defer_min_p = _prepare(
-        logits, temperature, top_k, top_p, min_p, seeds, use_top_p, max_top_k, use_min_p)
-    num_chunks = triton.cdiv(vocab, _CDF_CHUNK)
-    chunks_pow2 = triton.next_power_of_2(num_chunks)
-    # (chunk maxima, kept maxima, kept masses) per row and chunk; the chunk maxima's first token ids
-    stats = torch.empty((3, num_rows, num_chunks), dtype=torch.float32, device=logits.device)
-    index = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=logits.device)
-    args = (stats, index, logits, cutoff, temperature, min_p, num_rows, vocab, logits.stride(0))
-    for min_p_pass in (False, True) if defer_min_p else (False,):
-        _cdf_chunk_kernel[(num_rows, num_chunks)](
-            *args, HAS_CUTOFF=has_cutoff, DEFER_MIN_P=defer_min_p, MIN_P_PASS=min_p_pass, CHUNK=_CDF_CHUNK,
-            CHUNKS=chunks_pow2, num_warps=8, **pdl_options(logits),
-        )
-    _cdf_pick_kernel[(num_rows,)](
-        out, stats, index, logits, cutoff, temperature, min_p, seeds, num_rows, num_chunks, vocab, logits.stride(0),
-        HAS_CUTOFF=has_cutoff, DEFER_MIN_P=defer_min_p, CHUNK=_CDF_CHUNK, CHUNKS=chunks_pow2, num_warps=8,
-        **pdl_options(logits),
-    )
-    return out
-
-
-def _prepare(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-             min_p: torch.Tensor, seeds: torch.Tensor, use_top_p: bool | None, max_top_k: int | None,
-             use_min_p: bool | None) -> tuple:
-    """What both samplers start from: contiguous inputs, the hints (read from the rows with one host sync where
-    use_top_p or max_top_k is not given), and the top-k/top-p cutoff per row where any row needs one. Returns
-    (logits, temperature, top_k, top_p, min_p, seeds, cutoff, has_cutoff, defer_min_p): defer_min_p unless
-    use_min_p is False, min-p rows get a pass of their own once the row maxima are known."""
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     num_rows, vocab = logits.shape
+    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if num_rows == 0:
+        return out
     temperature, top_p, min_p = (t.to(torch.float32).contiguous() for t in (temperature, top_p, min_p))
     top_k, seeds = top_k.contiguous(), seeds.to(torch.int64).contiguous()
     if use_top_p is None or max_top_k is None:
@@ -541,7 +346,40 @@ def _prepare(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tenso
             cutoff, ordered, temperature, top_k, top_p, num_rows, width, vocab, ordered.stride(0),
             USE_TOP_P=bool(use_top_p), ROWS=rows, BLOCK=cutoff_block, num_warps=8, **pdl_options(logits),
         )
-    return logits, temperature, top_k, top_p, min_p, seeds, cutoff, has_cutoff, use_min_p is not False
+
+    # chunks and blocks start at multiples of 16: of 4, the tokens of one Philox call (_race_scores), and of 8 so that
+    # the chunk kernels read the logits in 16-byte vectors (where the vocabulary is a multiple of 8 too)
+    chunk_size = triton.cdiv(chunk_size or _chunk_size(num_rows, vocab, logits.device), 16) * 16
+    num_chunks = triton.cdiv(vocab, chunk_size)
+    block = max(min(block or _MAX_BLOCK, triton.next_power_of_2(chunk_size)), 16)
+    # one chunk per row (small vocabularies): several rows per program, as in _tile
+    rows = min(triton.next_power_of_2(num_rows), max(1, _MAX_BLOCK // block)) if num_chunks == 1 else 1
+    num_warps = max(1, min(8, block // 256))
+    values = torch.empty((2, num_rows, num_chunks), dtype=torch.float32, device=logits.device)
+    indices = torch.empty((2, num_rows, num_chunks), dtype=torch.int32, device=logits.device)
+    grid = (triton.cdiv(num_rows, rows), num_chunks)
+    args = (values, indices, logits, cutoff, temperature, min_p, seeds, num_rows, vocab, logits.stride(0),
+            chunk_size // 16)
+    defer_min_p = use_min_p is not False
+    fast_log = runs_ptx(logits)
+    _sample_chunk_kernel[grid](
+        *args, HAS_CUTOFF=has_cutoff, DEFER_MIN_P=defer_min_p, ROWS=rows, BLOCK=block, FAST_LOG=fast_log,
+        num_warps=num_warps, **pdl_options(logits),
+    )
+    # CHUNKS (a constexpr) sized for the most chunks any batch size gets, not this one's: otherwise each batch
+    # size band would compile its own variant of the two kernels below, in the middle of a run.
+    chunks_pow2 = triton.next_power_of_2(max(num_chunks, triton.cdiv(vocab, _MIN_CHUNK)))
+    if defer_min_p:
+        _min_p_race_kernel[grid](
+            *args, HAS_CUTOFF=has_cutoff, ROWS=rows, BLOCK=block, CHUNKS=chunks_pow2, FAST_LOG=fast_log,
+            num_warps=num_warps, **pdl_options(logits),
+        )
+    reduce_rows = max(1, 1024 // chunks_pow2)
+    _sample_reduce_kernel[(triton.cdiv(num_rows, reduce_rows),)](
+        out, values, indices, temperature, num_rows, num_chunks, ROWS=reduce_rows, CHUNKS=chunks_pow2, num_warps=4,
+        **pdl_options(logits),
+    )
+    return out
 
 
 def _chunk_size(num_rows: int, vocab: int, device: torch.device) -> int:
