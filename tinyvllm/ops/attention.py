@@ -556,9 +556,10 @@ def decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype | 
 
 def decode_rows(group: int, cache_dtype: torch.dtype) -> int:
     """BLOCK_G, a decode program's query rows: its KV head's group of query heads padded to a power of two. On a
-    float8 cache at least 4 (Triton pads tl.dot's rows up to the MMA's 16 itself): that kernel is bound by the
-    instructions it issues per key, and with 16 rows for a group of 4 three quarters of its softmax ran on padding.
-    Other caches keep at least 16 rows: on bf16 the kernel reads at the copy rate, and 4 rows timed slower there."""
+    float8 cache at least 4 (Triton pads tl.dot's rows up to the MMA's 16 itself): with 16 rows for a group of 4,
+    three quarters of the softmax and of the accumulator ran on padding, and 4 rows measured faster end to end.
+    Other caches keep at least 16 rows: on bf16 the kernel reads near the copy rate, and 4 rows timed slower there
+    (benchmarks/RESULTS.md)."""
     return max(4 if cache_dtype == torch.float8_e4m3fn else 16, triton.next_power_of_2(group))
 
 
