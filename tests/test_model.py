@@ -81,3 +81,16 @@ def test_each_layer_computes_attention_through_the_metadata_once(engines):
     assert calls == [layer.self_attn.k_cache.data_ptr() for layer in layers]
     assert torch.equal(hooked, our_logits(llm, ids))
     assert not torch.equal(hooked, our_logits(llm, ids, lambda q, *rest: torch.zeros_like(q)))
+
+
+def test_folded_norms_match_the_norm_kernels(checkpoint, monkeypatch):
+    """The RMSNorm weights folded into qkv_proj and gate_up_proj (the default, LlamaForCausalLM.fold_norms: no norm
+    kernel in the layers) give the logits of the plain model, whose norms run as ops (TINYVLLM_FOLD_NORMS=0)."""
+    ids = [5, 17, 99, 3, 42, 7, 200, 31, 8]
+    folded_llm = LLM(checkpoint, skip_tokenizer_init=True, device="cpu", num_kv_blocks=16)
+    assert folded_llm.llm_engine.engine_core.model_runner.model.model.norms_folded
+    folded = our_logits(folded_llm, ids)
+    monkeypatch.setenv("TINYVLLM_FOLD_NORMS", "0")
+    plain_llm = LLM(checkpoint, skip_tokenizer_init=True, device="cpu", num_kv_blocks=16)
+    assert not plain_llm.llm_engine.engine_core.model_runner.model.model.norms_folded
+    assert relative_error(folded, our_logits(plain_llm, ids)) < 1e-5

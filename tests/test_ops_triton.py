@@ -27,6 +27,7 @@ from tinyvllm.ops.attention import (  # noqa: E402
 )
 from tinyvllm.ops.embedding import embedding_ref, embedding_triton  # noqa: E402
 from tinyvllm.ops.layernorm import (  # noqa: E402
+    RowNorm,
     fused_add_rms_norm_ref,
     fused_add_rms_norm_triton,
     rms_norm_ref,
@@ -34,7 +35,10 @@ from tinyvllm.ops.layernorm import (  # noqa: E402
 )
 from tinyvllm.ops.pdl import pdl_options  # noqa: E402
 from tinyvllm.ops.rotary import (  # noqa: E402
+    RopeStore,
     build_cos_sin_cache,
+    rope_store_ref,
+    rope_store_triton,
     rotary_embedding_and_store_ref,
     rotary_embedding_and_store_triton,
 )
@@ -197,6 +201,47 @@ def test_store_into_fp8_cache_saturates(dtype: torch.dtype) -> None:
 def test_silu_and_mul(dtype: torch.dtype) -> None:
     x = (3 * torch.randn(5, 2 * 1100)).to(dtype)  # two column tiles, the second partial
     _close(silu_and_mul_triton(x), silu_and_mul_ref(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_and_mul_with_a_folded_norm(dtype: torch.dtype) -> None:
+    """With a RowNorm (the RMSNorm before gate_up folded into it), gate and up are scaled by the stream row's 1/rms
+    first: silu_and_mul(rms_norm(h) @ W^T) == silu_and_mul(h @ (W * g)^T, RowNorm(h)) for the norm's weight g."""
+    x = (3 * torch.randn(5, 2 * 1100)).to(dtype)
+    stream = (4 * torch.randn(5, 96)).to(dtype)  # a hidden size that is not a power of two
+    norm = RowNorm(stream, 1e-5)
+    _close(silu_and_mul_triton(x, norm), silu_and_mul_ref(x, norm))
+    h, g, w = torch.randn(5, 96, dtype=torch.float64), torch.rand(96, dtype=torch.float64) + 0.5, torch.randn(8, 96)
+    folded = silu_and_mul_ref((h @ (w.double() * g).t()).float(), RowNorm(h.float(), 1e-5))
+    unfolded = silu_and_mul_ref((rms_norm_ref(h, g, 1e-5) @ w.double().t()).float())
+    torch.testing.assert_close(folded, unfolded, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, FP8])
+def test_rope_store_with_a_folded_norm(cache_dtype: torch.dtype, fp8_casts_as_on_the_gpu: None) -> None:
+    """With a RowNorm (the RMSNorm before qkv folded into it), q, k and v are scaled by the stream row's 1/rms before
+    the rotation and the store, in the kernel as in the reference; without one, as before."""
+    positions, q, k, v, cos_sin, caches, slots = _rotary_case(4, 2, 64, torch.float32, cache_dtype)
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=-1)
+    stream = 3 * torch.randn(qkv.shape[0], 80)
+    norm = RowNorm(stream, 1e-6)
+    outs = []
+    for op in (rope_store_triton, rope_store_ref):
+        cache_pair = caches.clone()
+        rope = RopeStore(positions, cos_sin, cache_pair[0], cache_pair[1], slots, 4, 2)
+        outs.append((op(qkv.clone(), rope, norm), cache_pair))
+    (out, got), (ref, expected) = outs
+    _close(out, ref)
+    if cache_dtype == FP8:
+        _close_fp8(got[0], expected[0])
+        _close_fp8(got[1], expected[1])
+    else:
+        _close(got, expected)
+    # the scale is the norm's: with the stream's rows all equal to 1 / their own rms, nothing changes
+    unit = RowNorm(torch.ones(qkv.shape[0], 80), 0.0)
+    rope = RopeStore(positions, cos_sin, caches[0].clone(), caches[1].clone(), slots, 4, 2)
+    plain = RopeStore(positions, cos_sin, caches[0].clone(), caches[1].clone(), slots, 4, 2)
+    _close(rope_store_triton(qkv.clone(), rope, unit), rope_store_ref(qkv.clone(), plain))
 
 
 # ------------------------------------------------------------------------------------------------ attention

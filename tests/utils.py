@@ -23,7 +23,12 @@ def save_tiny_llama(path: str, seed: int = 0, max_shard_size: str | None = None,
 
     torch.manual_seed(seed)
     config = LlamaConfig(**{**TINY, **overrides})
-    model = LlamaForCausalLM(config).to(dtype)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # transformers starts every RMSNorm weight at 1: draw them, as a trained model has them
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    model = model.to(dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     if tokenizer_dir is not None:

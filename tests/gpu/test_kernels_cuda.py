@@ -40,6 +40,7 @@ from tinyvllm.ops.fused_linear import (  # noqa: E402
     linear_argmax_triton,
 )
 from tinyvllm.ops.layernorm import (  # noqa: E402
+    RowNorm,
     fused_add_rms_norm_ref,
     fused_add_rms_norm_triton,
     rms_norm_ref,
@@ -48,6 +49,8 @@ from tinyvllm.ops.layernorm import (  # noqa: E402
 from tinyvllm.ops.rotary import (  # noqa: E402
     RopeStore,
     build_cos_sin_cache,
+    rope_store_ref,
+    rope_store_triton,
     rotary_embedding_and_store_ref,
     rotary_embedding_and_store_triton,
     rotary_embedding_ref,
@@ -202,6 +205,40 @@ def test_silu_and_mul(dtype: torch.dtype, tokens: int) -> None:
     gate_up = (2 * torch.randn(tokens, 2 * INTERMEDIATE, device=DEVICE)).to(dtype)
     assert_close(f"silu_and_mul T={tokens} {short(dtype)}", poisoned(silu_and_mul_triton, gate_up),
                  silu_and_mul_ref(gate_up.float()), dtype)
+
+
+@pytest.mark.parametrize("tokens", TOKEN_COUNTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_with_a_folded_norm(dtype: torch.dtype, tokens: int) -> None:
+    """gate_up's product of the residual stream itself (the norm's weight folded into it): gate and up scaled by
+    the stream row's 1/rms first, against the float32 reference."""
+    gate_up = (2 * torch.randn(tokens, 2 * INTERMEDIATE, device=DEVICE)).to(dtype)
+    stream = (5 * torch.randn(tokens, HIDDEN, device=DEVICE)).to(dtype)
+    out = poisoned(silu_and_mul_triton, gate_up, RowNorm(stream, 1e-5))
+    ref = silu_and_mul_ref(gate_up.float(), RowNorm(stream.float(), 1e-5))
+    assert_close(f"silu_and_mul with a RowNorm T={tokens} {short(dtype)}", out, ref, dtype)
+
+
+@pytest.mark.parametrize("tokens", TOKEN_COUNTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_with_a_folded_norm(dtype: torch.dtype, tokens: int, cos_sin_cache: torch.Tensor) -> None:
+    """qkv's product of the residual stream itself: q, k and v scaled by the stream row's 1/rms, then q rotated in
+    place and k, v stored at their slots, against the float32 reference."""
+    k_cache, v_cache, slots = random_cache_slots(tokens, dtype)
+    qkv = (3 * torch.randn(tokens, (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, device=DEVICE)).to(dtype)
+    stream = (5 * torch.randn(tokens, HIDDEN, device=DEVICE)).to(dtype)
+    positions = torch.randint(0, 131072, (tokens,), device=DEVICE)
+    ref_k, ref_v = k_cache.float(), v_cache.float()
+    ref = rope_store_ref(qkv.float(), RopeStore(positions, cos_sin_cache, ref_k, ref_v, slots, NUM_Q_HEADS,
+                                                NUM_KV_HEADS), RowNorm(stream.float(), 1e-5))
+    out = rope_store_triton(qkv, RopeStore(positions, cos_sin_cache, k_cache, v_cache, slots, NUM_Q_HEADS,
+                                           NUM_KV_HEADS), RowNorm(stream, 1e-5))
+    name = f"rope_store with a RowNorm T={tokens} {short(dtype)}"
+    q_cols = NUM_Q_HEADS * HEAD_DIM
+    assert_close(f"{name} (q)", out[:, :q_cols], ref[:, :q_cols], dtype)
+    written = slots[slots >= 0]
+    for what, cache, ref_cache in (("k", k_cache, ref_k), ("v", v_cache, ref_v)):
+        assert_close(f"{name} ({what} cache)", cache.flatten(0, 1)[written], ref_cache.flatten(0, 1)[written], dtype)
 
 
 def random_pool(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:

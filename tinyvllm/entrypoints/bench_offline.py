@@ -40,6 +40,10 @@ def random_llama(path: str, shape: dict, dtype: str = "bfloat16") -> str:
     config = LlamaConfig(**shape)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    with torch.no_grad():  # transformers starts every RMSNorm weight at 1; a trained model's are not
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
     # Saved beside, then renamed into place: a run that starts meanwhile (tests run the --small benchmarks)
     # finds a whole checkpoint or none, never a config.json without its weights.
     partial = f"{path}.partial-{os.getpid()}"

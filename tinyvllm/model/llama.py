@@ -159,13 +159,16 @@ class LlamaAttention(nn.Module):
         self.v_cache = torch.empty(0)
 
     def forward(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention of the tokens whose qkv_proj output, q rotated, is `qkv` (their k and v in the cache: the
-        decoder layer runs qkv_proj with the norm before it and ops.rope_store after it, see `rope`), through
-        o_proj."""
+        """o_proj(attend(qkv))."""
+        return self.o_proj(self.attend(qkv, meta))
+
+    def attend(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention [T, q_size] of the tokens whose qkv_proj output, q rotated, is `qkv` (their k and v in the
+        cache: the decoder layer runs qkv_proj with the norm before it and ops.rope_store after it, see `rope`)."""
         num_tokens = qkv.shape[0]
         q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
         out = (meta.attention or ops.paged_attention)(q, self.k_cache, self.v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return out.reshape(num_tokens, self.q_size)
 
     def rope(self, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata) -> ops.RopeStore:
         """What follows qkv_proj: q and k rotated at `positions`, k and v stored at the step's cache slots."""
@@ -202,6 +205,36 @@ class LlamaDecoderLayer(nn.Module):
         gated, residual = self.post_attention_layernorm.project(x, residual, self.mlp.gate_up_proj, silu_and_mul=True)
         return self.mlp.down_proj(gated), residual
 
+    def fold_norms(self) -> None:
+        """Fold each RMSNorm's weight into the product after it: W[:, k] *= g[k] (rounded once, from float32), and
+        g = 1. Exact in exact arithmetic (the norm's output feeds only that product), so forward() is unchanged
+        and forward_stream() may run."""
+        pairs = ((self.input_layernorm, self.self_attn.qkv_proj), (self.post_attention_layernorm,
+                                                                  self.mlp.gate_up_proj))
+        for norm, linear in pairs:
+            w = linear.weight.data
+            w.copy_(w.float() * norm.weight.data.float()[None, :])
+            norm.weight.data.fill_(1.0)
+
+    def uses_decode_kernels(self, x: torch.Tensor) -> bool:
+        """Whether any of the layer's products runs on our decode kernels at x's row count."""
+        return any(linear.uses_decode_kernel(x) for linear in (self.self_attn.qkv_proj, self.self_attn.o_proj,
+                                                               self.mlp.gate_up_proj, self.mlp.down_proj))
+
+    def forward_stream(self, positions: torch.Tensor, h: torch.Tensor, cos_sin: torch.Tensor,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """forward() with the norms folded (fold_norms) and the products on cuBLAS, one weight whole (tensor
+        parallel size 1), no biases: h is the residual stream itself, updated IN PLACE and returned. No norm
+        kernel runs: qkv_proj and gate_up_proj read h, the op after each scales its rows by the norm's 1/rms
+        (ops.RowNorm), and o_proj and down_proj add their product to h in cuBLAS (addmm, beta = 1). Two fewer
+        kernels a layer, and the residual add rounds once (in float32, then to h's dtype)."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv = ops.rope_store(attn.qkv_proj(h), attn.rope(positions, cos_sin, meta),
+                             norm=ops.RowNorm(h, self.input_layernorm.eps))
+        h.addmm_(attn.attend(qkv, meta), attn.o_proj.weight.t())
+        gated = ops.silu_and_mul(mlp.gate_up_proj(h), norm=ops.RowNorm(h, self.post_attention_layernorm.eps))
+        return h.addmm_(gated, mlp.down_proj.weight.t())
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
@@ -209,14 +242,30 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tp = tp
+        self.norms_folded = False  # fold_norms, once the weights are loaded
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.norms_folded and not self.layers[0].uses_decode_kernels(x):
+            for layer in self.layers:
+                x = layer.forward_stream(positions, x, cos_sin, meta)
+            return self.norm(x)[0]
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, cos_sin, meta)
         return self.norm(x, residual)[0]
+
+    def fold_norms(self) -> None:
+        """LlamaDecoderLayer.fold_norms in every layer, where forward_stream can then run: one rank, no biases."""
+        layer = self.layers[0]
+        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        if self.tp.size > 1 or any(linear.bias is not None for linear in linears):
+            return
+        for layer in self.layers:
+            layer.fold_norms()
+        self.norms_folded = True
 
 
 class LlamaForCausalLM(nn.Module):
@@ -266,6 +315,11 @@ class LlamaForCausalLM(nn.Module):
             shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
             attn.k_cache = ops.kv_pool(*shape, dtype, device) if num_blocks else torch.empty(0)
             attn.v_cache = ops.kv_pool(*shape, dtype, device) if num_blocks else torch.empty(0)
+
+    def fold_norms(self) -> None:
+        """Fold the decoder layers' RMSNorm weights into the products after them (LlamaModel.fold_norms), after
+        loading: a step of more rows than our decode kernels take then runs no norm kernel in the layers."""
+        self.model.fold_norms()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] for every token of the flat batch."""

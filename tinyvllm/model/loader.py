@@ -83,6 +83,8 @@ def build_model(config: ModelConfig, path: str, device: torch.device, dtype: tor
     else:
         tensors = iter_safetensors(path, lazy=tp.size > 1)
     load_weights(model, tensors, tp)
+    if os.environ.get("TINYVLLM_FOLD_NORMS", "1") != "0":  # 0: keep the norms' own kernels, to measure them
+        model.fold_norms()
     model.init_rope_cache(device)
     _use_input_major_weights(model)
     return model.eval()

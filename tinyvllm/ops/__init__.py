@@ -21,7 +21,7 @@ from tinyvllm.ops.cascade_attention import cascade_attention_ref
 from tinyvllm.ops.decode_inputs import unpack_decode_inputs_ref
 from tinyvllm.ops.embedding import embedding_ref
 from tinyvllm.ops.fused_linear import fused_linear_ref, fused_norm_linear_ref, linear_argmax_ref
-from tinyvllm.ops.layernorm import fused_add_rms_norm_ref, rms_norm_ref
+from tinyvllm.ops.layernorm import RowNorm, fused_add_rms_norm_ref, rms_norm_ref
 from tinyvllm.ops.linear import skinny_matmul_ref
 from tinyvllm.ops.rotary import RopeStore, build_cos_sin_cache, rope_store_ref
 from tinyvllm.ops.sampling import sample_ref
@@ -29,6 +29,7 @@ from tinyvllm.ops.sampling import sample_ref
 __all__ = [
     "AttentionMetadata",
     "RopeStore",
+    "RowNorm",
     "build_cos_sin_cache",
     "embedding",
     "fused_linear",

@@ -1,4 +1,5 @@
-"""SiLU-and-mul, the gate of Llama's MLP: out = silu(x[:, :I]) * x[:, I:]."""
+"""SiLU-and-mul, the gate of Llama's MLP: out = silu(x[:, :I]) * x[:, I:], each row first scaled by a RowNorm's
+factor when the RMSNorm before gate_up is folded into it."""
 
 import torch
 import torch.nn.functional as F
@@ -9,21 +10,28 @@ try:
 except ImportError:  # the CPU engine imports the reference on machines without Triton
     triton = None
 
+from tinyvllm.ops.layernorm import RowNorm, row_inv_rms, row_inv_rms_ref
 from tinyvllm.ops.pdl import pdl_options, pdl_wait
 
 
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    """x [T, 2I] (gate then up, as the merged gate_up projection writes them) -> [T, I]."""
+def silu_and_mul_ref(x: torch.Tensor, norm: RowNorm | None = None) -> torch.Tensor:
+    """x [T, 2I] (gate then up, as the merged gate_up projection writes them) -> [T, I]; with `norm`, gate and up
+    scaled by row_inv_rms_ref(norm) first, in float32."""
     gate, up = x.float().chunk(2, dim=-1)
+    if norm is not None:
+        scale = row_inv_rms_ref(norm)[:, None]
+        gate, up = gate * scale, up * scale
     return (F.silu(gate) * up).to(x.dtype)
 
 
 if triton is not None:
 
     # out[t, i] = silu(g) * u with g = x[t, i], u = x[t, I + i], silu(g) = g / (1 + exp(-g)), in float32;
-    # one program per (token, column tile).
+    # NORM: g and u times the row's 1/rms of the stream (each program of the row computes it: a row of the
+    # hidden size, read from L2). One program per (token, column tile).
     @triton.jit
-    def _silu_and_mul_kernel(out_ptr, x_ptr, inter, stride_x, stride_out, BLOCK: tl.constexpr,
+    def _silu_and_mul_kernel(out_ptr, x_ptr, stream_ptr, inter, stride_x, stride_out, stride_stream, hidden, eps,
+                             BLOCK: tl.constexpr, NORM: tl.constexpr, BLOCK_HIDDEN: tl.constexpr,
                              USE_PDL: tl.constexpr):
         pdl_wait(USE_PDL)
         token = tl.program_id(0).to(tl.int64)
@@ -31,20 +39,29 @@ if triton is not None:
         mask = cols < inter
         gate = tl.load(x_ptr + token * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + token * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+        if NORM:
+            scale = row_inv_rms(stream_ptr, token, stride_stream, hidden, eps, BLOCK_HIDDEN)
+            gate, up = gate * scale, up * scale
         out = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(out_ptr + token * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_triton(x: torch.Tensor, norm: RowNorm | None = None) -> torch.Tensor:
     """The Triton kernel of silu_and_mul_ref: x [T, 2I] -> [T, I]."""
     inter = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * inter)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty((x2.shape[0], inter), dtype=x.dtype, device=x.device)
+    stream, eps, block_hidden = x2, 0.0, 1  # (unread without a norm)
+    if norm is not None:
+        stream, eps = norm.stream.reshape(x2.shape[0], -1), norm.eps
+        stream = stream if stream.stride(-1) == 1 else stream.contiguous()
+        block_hidden = triton.next_power_of_2(stream.shape[1])
     if x2.shape[0] > 0:
         block = min(triton.next_power_of_2(inter), 1024)
         grid = (x2.shape[0], triton.cdiv(inter, block))
-        _silu_and_mul_kernel[grid](out, x2, inter, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4,
-                                   **pdl_options(x2))
+        _silu_and_mul_kernel[grid](out, x2, stream, inter, x2.stride(0), out.stride(0), stream.stride(0),
+                                   stream.shape[1], eps, BLOCK=block, NORM=norm is not None,
+                                   BLOCK_HIDDEN=block_hidden, num_warps=4, **pdl_options(x2))
     return out.reshape(*x.shape[:-1], inter)

@@ -1,4 +1,7 @@
-"""RMSNorm, alone and fused with the residual add that precedes it in every decoder layer."""
+"""RMSNorm, alone and fused with the residual add that precedes it in every decoder layer; and RowNorm, what is
+left of an RMSNorm whose weight was folded into the product after it."""
+
+from typing import NamedTuple
 
 import torch
 
@@ -27,7 +30,29 @@ def fused_add_rms_norm_ref(
     return rms_norm_ref(new_residual, weight, eps), new_residual
 
 
+class RowNorm(NamedTuple):
+    """An RMSNorm whose weight is folded into the product after it (LlamaForCausalLM.fold_norms): that product
+    reads the residual stream itself, and since 1/rms is a factor of each row, the op after the product scales
+    its row t by rsqrt(mean(stream[t]^2) + eps) (ops.rope_store, ops.silu_and_mul take one)."""
+
+    stream: torch.Tensor  # [T, hidden], the product's input
+    eps: float
+
+
+def row_inv_rms_ref(norm: RowNorm) -> torch.Tensor:
+    """rsqrt(mean(stream^2) + eps) of each row, float32 [T] (rms_norm_ref's factor)."""
+    x32 = norm.stream.float()
+    return torch.rsqrt(x32.pow(2).mean(-1) + norm.eps)
+
+
 if triton is not None:
+
+    @triton.jit
+    def row_inv_rms(stream_ptr, row, stride, hidden, eps, BLOCK: tl.constexpr):
+        """row_inv_rms_ref of one row (BLOCK >= hidden), in float32."""
+        cols = tl.arange(0, BLOCK)
+        x = tl.load(stream_ptr + row * stride + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+        return tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
 
     # ROWS rows per program, each whole in registers:
     #   s = x + residual (rounded to x's dtype, stored as the new residual)   if HAS_RESIDUAL

@@ -13,6 +13,7 @@ try:
 except ImportError:  # the CPU engine imports the reference on machines without Triton
     triton = None
 
+from tinyvllm.ops.layernorm import RowNorm, row_inv_rms, row_inv_rms_ref
 from tinyvllm.ops.pdl import pdl_options, pdl_wait
 
 
@@ -120,20 +121,28 @@ def _qkv_heads(qkv: torch.Tensor, rope: RopeStore) -> tuple[torch.Tensor, torch.
     return tuple(t.view(qkv.shape[0], -1, head_dim) for t in (q, k, v))  # type: ignore[return-value]
 
 
-def rope_store_ref(qkv: torch.Tensor, rope: RopeStore) -> torch.Tensor:
+def rope_store_ref(qkv: torch.Tensor, rope: RopeStore, norm: RowNorm | None = None) -> torch.Tensor:
     """rotary_embedding_and_store_ref on the q, k and v columns of qkv [T, (Hq + 2 Hk) * D], with the rotated q
-    written back in place (as the Triton kernel rotates it): qkv holds q rotated, and k and v as they were."""
+    written back in place (as the Triton kernel rotates it): qkv holds q rotated, and k and v as they were. With
+    `norm`, q, k and v are first scaled by row_inv_rms_ref(norm), in float32 (rounded once, after the rotation)."""
     q, k, v = _qkv_heads(qkv, rope)
-    q.copy_(rotary_embedding_and_store_ref(rope.positions, q, k, v, rope.cos_sin_cache, rope.k_cache, rope.v_cache,
-                                           rope.slot_mapping))
+    if norm is None:
+        q.copy_(rotary_embedding_and_store_ref(rope.positions, q, k, v, rope.cos_sin_cache, rope.k_cache,
+                                               rope.v_cache, rope.slot_mapping))
+        return qkv
+    scale = row_inv_rms_ref(norm)[:, None, None]
+    q32, k32 = rotary_embedding_ref(rope.positions, q.float() * scale, k.float() * scale, rope.cos_sin_cache)
+    store_kv_ref(k32.to(qkv.dtype), (v.float() * scale).to(qkv.dtype), rope.k_cache, rope.v_cache,
+                 rope.slot_mapping)
+    q.copy_(q32)
     return qkv
 
 
-def rope_store_triton(qkv: torch.Tensor, rope: RopeStore) -> torch.Tensor:
+def rope_store_triton(qkv: torch.Tensor, rope: RopeStore, norm: RowNorm | None = None) -> torch.Tensor:
     """rope_store_ref through rotary_embedding_and_store_triton (for a qkv product whose kernel did not do it)."""
     q, k, v = _qkv_heads(qkv, rope)
     rotary_embedding_and_store_triton(rope.positions, q, k, v, rope.cos_sin_cache, rope.k_cache, rope.v_cache,
-                                      rope.slot_mapping)
+                                      rope.slot_mapping, norm)
     return qkv
 
 
@@ -151,11 +160,12 @@ if triton is not None:
 
     # One program per token rotates all its heads of q and k; with (x1, x2) the halves of a head,
     # (cos, sin) = cos_sin_cache[position]:   x1' = x1*cos - x2*sin,   x2' = x2*cos + x1*sin   (in float32).
-    # _rotate_heads reads the heads at src and writes them rotated at dst (dst = src: in place), rounded to
-    # src's dtype and then to dst's (cast_for_store), as rotating k in place and then storing it would.
+    # _rotate_heads reads the heads at src, times `scale` (a RowNorm's 1/rms, else 1), and writes them rotated at dst
+    # (dst = src: in place), rounded to src's dtype and then to dst's (cast_for_store), as rotating k in place and
+    # then storing it would.
     @triton.jit
     def _rotate_heads(
-        src_ptr, src_stride_head, dst_ptr, dst_stride_head, num_heads, cos, sin,
+        src_ptr, src_stride_head, dst_ptr, dst_stride_head, num_heads, cos, sin, scale,
         HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr,
     ):
         heads = tl.arange(0, BLOCK_HEADS)[:, None]
@@ -163,8 +173,8 @@ if triton is not None:
         src = src_ptr + heads * src_stride_head + cols
         dst = dst_ptr + heads * dst_stride_head + cols
         mask = heads < num_heads
-        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32) * scale
+        x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32) * scale
         out1 = (x1 * cos - x2 * sin).to(src_ptr.dtype.element_ty)
         out2 = (x2 * cos + x1 * sin).to(src_ptr.dtype.element_ty)
         tl.store(dst, cast_for_store(out1, dst_ptr), mask=mask)
@@ -179,40 +189,47 @@ if triton is not None:
         return cos, sin
 
     # One program per token rotates q in place; for slot = slot_mapping[t] >= 0 the rotated k and v go to the cache at
-    # [slot // block_size, slot % block_size] (k itself is left as it was).
+    # [slot // block_size, slot % block_size] (k itself is left as it was). NORM: q, k and v are first scaled by
+    # the token's 1/rms of the stream (a RowNorm), in float32.
     @triton.jit
     def _rotary_and_store_kernel(
-        q_ptr, k_ptr, v_ptr, positions_ptr, cache_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+        q_ptr, k_ptr, v_ptr, positions_ptr, cache_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stream_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cache,
-        stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-        num_q_heads, num_kv_heads, block_size,
-        HALF: tl.constexpr, BLOCK_Q_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr, USE_PDL: tl.constexpr,
+        stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_stream,
+        num_q_heads, num_kv_heads, block_size, hidden, eps,
+        HALF: tl.constexpr, BLOCK_Q_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr, NORM: tl.constexpr,
+        BLOCK_HIDDEN: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         pdl_wait(USE_PDL)
         token = tl.program_id(0).to(tl.int64)
         cos, sin = _load_cos_sin(positions_ptr, cache_ptr, token, stride_cache, HALF)
+        scale = 1.0
+        if NORM:
+            scale = row_inv_rms(stream_ptr, token, stride_stream, hidden, eps, BLOCK_HIDDEN)
         q = q_ptr + token * stride_qt
-        _rotate_heads(q, stride_qh, q, stride_qh, num_q_heads, cos, sin, HALF, BLOCK_Q_HEADS)
+        _rotate_heads(q, stride_qh, q, stride_qh, num_q_heads, cos, sin, scale, HALF, BLOCK_Q_HEADS)
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         if slot >= 0:
             block, offset = slot // block_size, slot % block_size
             k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs
-            _rotate_heads(k_ptr + token * stride_kt, stride_kh, k_dst, stride_kch, num_kv_heads, cos, sin,
+            _rotate_heads(k_ptr + token * stride_kt, stride_kh, k_dst, stride_kch, num_kv_heads, cos, sin, scale,
                           HALF, BLOCK_KV_HEADS)
             heads = tl.arange(0, BLOCK_KV_HEADS)[:, None]
             dims = tl.arange(0, 2 * HALF)[None, :]
             mask = heads < num_kv_heads
             v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+            if NORM:
+                v = (v.to(tl.float32) * scale).to(v_ptr.dtype.element_ty)
             v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + heads * stride_vch + dims
             tl.store(v_dst, cast_for_store(v, v_cache_ptr), mask=mask)
 
 
 def rotary_embedding_and_store_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                       cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                      slot_mapping: torch.Tensor) -> torch.Tensor:
+                                      slot_mapping: torch.Tensor, norm: RowNorm | None = None) -> torch.Tensor:
     """rotary_embedding_and_store_ref in one kernel: q rotated IN PLACE (views of a fused qkv output are
     fine as long as each head's values are contiguous), the rotated k and v written to their cache slots,
-    k itself untouched; returns q."""
+    k itself untouched; returns q. With `norm`, as rope_store_ref scales q, k and v first."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     half = head_dim // 2
@@ -223,13 +240,19 @@ def rotary_embedding_and_store_triton(positions: torch.Tensor, q: torch.Tensor, 
     if num_tokens == 0:
         return q
     block_q = triton.next_power_of_2(num_q_heads)
+    stream, eps, block_hidden = q, 0.0, 1  # (unread without a norm)
+    if norm is not None:
+        stream, eps = norm.stream.reshape(num_tokens, -1), norm.eps
+        stream = stream if stream.stride(-1) == 1 else stream.contiguous()
+        block_hidden = triton.next_power_of_2(stream.shape[1])
     _rotary_and_store_kernel[(num_tokens,)](
-        q, k, v, positions.contiguous(), cos_sin_cache, k_cache, v_cache, slot_mapping.contiguous(),
+        q, k, v, positions.contiguous(), cos_sin_cache, k_cache, v_cache, slot_mapping.contiguous(), stream,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        num_q_heads, num_kv_heads, k_cache.shape[1],
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), stream.stride(0),
+        num_q_heads, num_kv_heads, k_cache.shape[1], stream.shape[-1], eps,
         HALF=half, BLOCK_Q_HEADS=block_q, BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
+        NORM=norm is not None, BLOCK_HIDDEN=block_hidden,
         num_warps=4 if block_q * half <= 1024 else 8, **pdl_options(q),
     )
     return q
