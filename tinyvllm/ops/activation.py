@@ -59,9 +59,12 @@ def silu_and_mul_triton(x: torch.Tensor, norm: RowNorm | None = None) -> torch.T
         stream = stream if stream.stride(-1) == 1 else stream.contiguous()
         block_hidden = triton.next_power_of_2(stream.shape[1])
     if x2.shape[0] > 0:
-        block = min(triton.next_power_of_2(inter), 1024)
+        # With a norm every program reads its row of the stream: wider tiles keep those reads to a few a row
+        # (1,024-column tiles read each row 8 times at Llama-3.2-1B's 8,192; benchmarks/RESULTS.md).
+        block = min(triton.next_power_of_2(inter), 1024 if norm is None else 4096)
         grid = (x2.shape[0], triton.cdiv(inter, block))
         _silu_and_mul_kernel[grid](out, x2, stream, inter, x2.stride(0), out.stride(0), stream.stride(0),
                                    stream.shape[1], eps, BLOCK=block, NORM=norm is not None,
-                                   BLOCK_HIDDEN=block_hidden, num_warps=4, **pdl_options(x2))
+                                   BLOCK_HIDDEN=block_hidden, num_warps=4 if block <= 1024 else 8,
+                                   **pdl_options(x2))
     return out.reshape(*x.shape[:-1], inter)
