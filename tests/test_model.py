@@ -94,3 +94,16 @@ def test_folded_norms_match_the_norm_kernels(checkpoint, monkeypatch):
     plain_llm = LLM(checkpoint, skip_tokenizer_init=True, device="cpu", num_kv_blocks=16)
     assert not plain_llm.llm_engine.engine_core.model_runner.model.model.norms_folded
     assert relative_error(folded, our_logits(plain_llm, ids)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype, folded", [(torch.bfloat16, True), (torch.float32, True), (torch.float16, False)])
+def test_norms_fold_in_bfloat16_and_float32_only(checkpoint, dtype, folded):
+    """float16 weights keep their norm kernels: the products of the unnormalized stream would come nearer float16's
+    ceiling. The folded norms' weights are 1."""
+    from tinyvllm.config import ModelConfig
+    from tinyvllm.model.loader import build_model
+
+    model = build_model(ModelConfig.from_hf_dir(checkpoint), checkpoint, torch.device("cpu"), dtype, 64)
+    assert model.model.norms_folded == folded
+    norm = model.model.layers[0].input_layernorm.weight
+    assert bool((norm == 1).all()) == folded

@@ -228,9 +228,9 @@ def test_rope_store_with_a_folded_norm(dtype: torch.dtype, tokens: int, cos_sin_
     qkv = (3 * torch.randn(tokens, (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, device=DEVICE)).to(dtype)
     stream = (5 * torch.randn(tokens, HIDDEN, device=DEVICE)).to(dtype)
     positions = torch.randint(0, 131072, (tokens,), device=DEVICE)
-    ref_k, ref_v = k_cache.float(), v_cache.float()
-    ref = rope_store_ref(qkv.float(), RopeStore(positions, cos_sin_cache, ref_k, ref_v, slots, NUM_Q_HEADS,
-                                                NUM_KV_HEADS), RowNorm(stream.float(), 1e-5))
+    ref_k, ref_v = k_cache.float().clone(), v_cache.float().clone()  # (clones: .float() of float32 is itself)
+    ref = rope_store_ref(qkv.float().clone(), RopeStore(positions, cos_sin_cache, ref_k, ref_v, slots, NUM_Q_HEADS,
+                                                        NUM_KV_HEADS), RowNorm(stream.float(), 1e-5))
     out = rope_store_triton(qkv, RopeStore(positions, cos_sin_cache, k_cache, v_cache, slots, NUM_Q_HEADS,
                                            NUM_KV_HEADS), RowNorm(stream, 1e-5))
     name = f"rope_store with a RowNorm T={tokens} {short(dtype)}"
@@ -266,9 +266,9 @@ def test_rotary_embedding_and_store(dtype: torch.dtype, tokens: int, cos_sin_cac
     q, k, v = qkv.split([NUM_Q_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM], dim=-1)
     q, k, v = (x.view(tokens, -1, HEAD_DIM) for x in (q, k, v))
     positions = torch.randint(0, 131072, (tokens,), device=DEVICE)
-    ref_k, ref_v = k_cache.float(), v_cache.float()
-    ref_q = rotary_embedding_and_store_ref(positions, q.float(), k.float(), v.float(), cos_sin_cache, ref_k, ref_v,
-                                           slots)
+    ref_k, ref_v = k_cache.float().clone(), v_cache.float().clone()  # (clones: .float() of float32 is itself)
+    ref_q = rotary_embedding_and_store_ref(positions, q.float().clone(), k.float(), v.float(), cos_sin_cache, ref_k,
+                                           ref_v, slots)
     original_k, original_cache = k.clone(), k_cache.clone()
     rotary_embedding_and_store_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slots)  # q in place
     name = f"rotary_embedding_and_store T={tokens} {short(dtype)}"

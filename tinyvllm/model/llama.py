@@ -209,12 +209,13 @@ class LlamaDecoderLayer(nn.Module):
     def fold_norms(self) -> None:
         """Fold each RMSNorm's weight into the product after it: W[:, k] *= g[k] (rounded once, from float32), and
         g = 1. Exact in exact arithmetic (the norm's output feeds only that product), so forward() is unchanged
-        and forward_stream() may run."""
+        and forward_stream() may run. In slices of rows, so that the float32 copy stays small."""
         pairs = ((self.input_layernorm, self.self_attn.qkv_proj), (self.post_attention_layernorm,
                                                                   self.mlp.gate_up_proj))
         for norm, linear in pairs:
-            w = linear.weight.data
-            w.copy_(w.float() * norm.weight.data.float()[None, :])
+            g = norm.weight.data.float()[None, :]
+            for rows in linear.weight.data.split(1024):
+                rows.copy_(rows.float() * g)
             norm.weight.data.fill_(1.0)
 
     def uses_decode_kernels(self, x: torch.Tensor) -> bool:
@@ -259,10 +260,14 @@ class LlamaModel(nn.Module):
         return self.norm(x, residual)[0]
 
     def fold_norms(self) -> None:
-        """LlamaDecoderLayer.fold_norms in every layer, where forward_stream can then run: one rank, no biases."""
+        """LlamaDecoderLayer.fold_norms in every layer, where forward_stream can then run: one rank, no biases, and
+        bfloat16 or float32 weights. (In float16 the products of the unnormalized stream, up to its rms times
+        larger than the normalized one's, would come nearer the format's 65,504 ceiling; bfloat16 has float32's
+        range.)"""
         layer = self.layers[0]
         linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        if self.tp.size > 1 or any(linear.bias is not None for linear in linears):
+        if (self.tp.size > 1 or any(linear.bias is not None for linear in linears)
+                or layer.self_attn.qkv_proj.weight.dtype == torch.float16):
             return
         for layer in self.layers:
             layer.fold_norms()

@@ -55,7 +55,7 @@ def silu_and_mul_triton(x: torch.Tensor, norm: RowNorm | None = None) -> torch.T
     out = torch.empty((x2.shape[0], inter), dtype=x.dtype, device=x.device)
     stream, eps, block_hidden = x2, 0.0, 1  # (unread without a norm)
     if norm is not None:
-        stream, eps = norm.stream.reshape(x2.shape[0], -1), norm.eps
+        stream, eps = norm.stream.reshape(x2.shape[0], norm.stream.shape[-1]), norm.eps
         stream = stream if stream.stride(-1) == 1 else stream.contiguous()
         block_hidden = triton.next_power_of_2(stream.shape[1])
     if x2.shape[0] > 0:

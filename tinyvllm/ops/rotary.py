@@ -242,7 +242,7 @@ def rotary_embedding_and_store_triton(positions: torch.Tensor, q: torch.Tensor, 
     block_q = triton.next_power_of_2(num_q_heads)
     stream, eps, block_hidden = q, 0.0, 1  # (unread without a norm)
     if norm is not None:
-        stream, eps = norm.stream.reshape(num_tokens, -1), norm.eps
+        stream, eps = norm.stream.reshape(num_tokens, norm.stream.shape[-1]), norm.eps
         stream = stream if stream.stride(-1) == 1 else stream.contiguous()
         block_hidden = triton.next_power_of_2(stream.shape[1])
     _rotary_and_store_kernel[(num_tokens,)](
