@@ -16,7 +16,13 @@
    token waits for.
 
     python benchmarks/profile_step.py [--json PATH] [--timeline-only] [--prompt N [--prompt-only]]
+5. With --knockout: what each small op costs inside a decode step's CUDA graph. The engine is built again with one
+   op of the model swapped for a no-op before it captures its graphs (the outputs are then meaningless; only the
+   replay's time is used), and its graph that ends in hidden states is replayed against the one with every op. Eager
+   kernel sums (part 2) count a PDL kernel's wait for the kernel before as its own time; this does not.
+
     python benchmarks/profile_step.py --steps-only [--batches 256] [--kv-cache-dtype fp8]   (part 2 alone)
+    python benchmarks/profile_step.py --knockout [--batches 256,32] [--kv-cache-dtype fp8]  (part 5 alone)
 """
 
 from __future__ import annotations
@@ -361,6 +367,48 @@ def graph_step_ms(path: str, batch: int, context: int, **engine_args) -> float:
     return ms
 
 
+# The ops part 5 knocks out: what the model calls (tinyvllm.ops.<name>) and a stand-in that launches nothing. The
+# fused add + RMSNorm runs only where the norms are not folded (TINYVLLM_FOLD_NORMS=0, or the decode kernels' rows).
+KNOCKOUTS = {
+    "RoPE + KV store": ("rope_store", lambda qkv, rope, norm=None: qkv),
+    "SiLU·mul": ("silu_and_mul", lambda x, norm=None: x[..., : x.shape[-1] // 2]),
+    "fused add + RMSNorm": ("fused_add_rms_norm", lambda x, residual, weight, eps: (x, residual)),
+    "decode attention": ("paged_attention", lambda q, k_cache, v_cache, meta, scale, out=None: q),
+}
+
+
+def knockout(path: str, batch: int, context: int, **engine_args) -> dict:
+    """Part 5 at `batch` sequences of `context` tokens: microseconds of the decode graph (to hidden states, best of 3
+    x 50 replays) with every op, and with each of KNOCKOUTS swapped for its stand-in."""
+    import torch
+
+    from tinyvllm import ops
+
+    def graph_us() -> float:
+        llm = decoding_llm(path, batch, context, temperature=0.0, **engine_args)
+        graphs = llm.llm_engine.engine_core.model_runner.cuda_graphs
+        bs = next(b for b in graphs.batch_sizes if b >= batch)
+        us = min(cuda_ms(graphs.graphs[bs, False, None].replay, 50) for _ in range(3)) * 1e3
+        del llm, graphs
+        torch.cuda.empty_cache()
+        return us
+
+    result = {"batch": batch, "context": context, "graph_us": graph_us(), "saved_us": {}}
+    print(f"\n  knockout, batch {batch}, context ~{context}: the decode graph to hidden states "
+          f"{result['graph_us']:.1f} us")
+    for name, (op, stand_in) in KNOCKOUTS.items():
+        original = getattr(ops, op)
+        setattr(ops, op, stand_in)
+        try:
+            us = graph_us()
+        finally:
+            setattr(ops, op, original)
+        saved = result["graph_us"] - us
+        result["saved_us"][name] = saved
+        print(f"    without {name:<22} {us:8.1f} us: it costs {saved:7.1f} us ({saved / result['graph_us']:5.1%})")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
@@ -369,6 +417,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=None, metavar="N", help="also part 4, a lone N-token prompt")
     parser.add_argument("--prompt-only", action="store_true", help="only part 4")
     parser.add_argument("--steps-only", action="store_true", help="only part 2, the decode steps of --batches")
+    parser.add_argument("--knockout", action="store_true",
+                        help="only part 5: each small op's cost inside the decode graphs of --batches")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
                         help="part 2's engines: auto (the model's dtype) or fp8 (float8 e4m3)")
     args = parser.parse_args()
@@ -387,6 +437,14 @@ def main() -> None:
                 with open(args.json, "w") as f:
                     json.dump(result, f, indent=1)
             return
+    if args.knockout:
+        engine_args = {"kv_cache_dtype": args.kv_cache_dtype}
+        result["knockout"] = [knockout(path, int(b), 128 if int(b) == 1 else 512, **engine_args)
+                              for b in args.batches.split(",")]
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return
     if not args.steps_only:
         result["timeline"] = engine_timeline(path)
     if not args.timeline_only:
