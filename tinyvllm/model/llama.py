@@ -6,7 +6,7 @@ separate tensors into their slices (see `packed_modules`). At decode sizes on CU
 own kernels instead of cuBLAS (ops.use_decode_kernel), each norm inside the product after it
 (RMSNorm.project), the MLP's SiLU·mul inside gate/up and the rotary embedding with the KV-cache store inside qkv.
 Elsewhere the norms' weights are folded into those products (fold_norms), so the layers run no norm kernel
-(LlamaDecoderLayer.forward_stream); without the fold (tensor parallelism, biases) each op is its own kernel.
+(LlamaDecoderLayer.forward_stream); unfolded (tensor parallelism, biases, float16) each op is its own kernel.
 
 Tensor parallelism (Megatron-style, as vLLM): Q/K/V and gate/up are split by output columns (whole heads),
 O and down by input rows followed by an all-reduce, the embedding and LM head over the vocabulary. Each
