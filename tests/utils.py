@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from tinyvllm.entrypoints.bench_offline import random_llama_1b  # noqa: F401  (the benchmark model, for tests/gpu)
+from tinyvllm.entrypoints.bench_offline import draw_norm_weights, random_llama_1b  # noqa: F401  (random_llama_1b: tests/gpu)
 from tinyvllm.ops import AttentionMetadata
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -24,10 +24,7 @@ def save_tiny_llama(path: str, seed: int = 0, max_shard_size: str | None = None,
     torch.manual_seed(seed)
     config = LlamaConfig(**{**TINY, **overrides})
     model = LlamaForCausalLM(config)
-    with torch.no_grad():  # transformers starts every RMSNorm weight at 1: draw them, as a trained model has them
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
+    draw_norm_weights(model)
     model = model.to(dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)

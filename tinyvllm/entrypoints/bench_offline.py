@@ -29,6 +29,17 @@ LLAMA_TINY = {**LLAMA_1B, "vocab_size": 512, "hidden_size": 64, "intermediate_si
               "eos_token_id": 1}
 
 
+def draw_norm_weights(model: Any) -> None:
+    """Every RMSNorm weight of a transformers model drawn from U(0.5, 1.5). transformers starts them at 1, which a
+    trained model's are not, and which would hide a wrong fold of them (LlamaForCausalLM.fold_norms)."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+
+
 def random_llama(path: str, shape: dict, dtype: str = "bfloat16") -> str:
     """Saves (once) a random-weight LlamaForCausalLM of `shape` and returns its directory."""
     if os.path.isfile(os.path.join(path, "config.json")):
@@ -40,10 +51,7 @@ def random_llama(path: str, shape: dict, dtype: str = "bfloat16") -> str:
     config = LlamaConfig(**shape)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = LlamaForCausalLM(config).to(getattr(torch, dtype))
-    with torch.no_grad():  # transformers starts every RMSNorm weight at 1; a trained model's are not
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
+    draw_norm_weights(model)
     # Saved beside, then renamed into place: a run that starts meanwhile (tests run the --small benchmarks)
     # finds a whole checkpoint or none, never a config.json without its weights.
     partial = f"{path}.partial-{os.getpid()}"

@@ -244,8 +244,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.tp = tp
-        self.norms_folded = False  # fold_norms, once the weights are loaded
+        self.norms_folded = False  # LlamaForCausalLM.fold_norms, once the weights are loaded
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -258,20 +257,6 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             x, residual = layer(positions, x, residual, cos_sin, meta)
         return self.norm(x, residual)[0]
-
-    def fold_norms(self) -> None:
-        """LlamaDecoderLayer.fold_norms in every layer, where forward_stream can then run: one rank, no biases, and
-        bfloat16 or float32 weights. (In float16 the products of the unnormalized stream, up to its rms times
-        larger than the normalized one's, would come nearer the format's 65,504 ceiling; bfloat16 has float32's
-        range.)"""
-        layer = self.layers[0]
-        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        if (self.tp.size > 1 or any(linear.bias is not None for linear in linears)
-                or layer.self_attn.qkv_proj.weight.dtype == torch.float16):
-            return
-        for layer in self.layers:
-            layer.fold_norms()
-        self.norms_folded = True
 
 
 class LlamaForCausalLM(nn.Module):
@@ -323,9 +308,19 @@ class LlamaForCausalLM(nn.Module):
             attn.v_cache = ops.kv_pool(*shape, dtype, device) if num_blocks else torch.empty(0)
 
     def fold_norms(self) -> None:
-        """Fold the decoder layers' RMSNorm weights into the products after them (LlamaModel.fold_norms), after
-        loading: a step of more rows than our decode kernels take then runs no norm kernel in the layers."""
-        self.model.fold_norms()
+        """After loading, LlamaDecoderLayer.fold_norms in every layer, where forward_stream can then run: one rank, no
+        biases, and bfloat16 or float32 weights. A step of more rows than our decode kernels take then runs no norm
+        kernel in the layers. (In float16 the products of the unnormalized stream, up to its rms times larger than
+        the normalized one's, would come nearer the format's 65,504 ceiling; bfloat16 has float32's range.)"""
+        layers = self.model.layers
+        linears = (layers[0].self_attn.qkv_proj, layers[0].self_attn.o_proj, layers[0].mlp.gate_up_proj,
+                   layers[0].mlp.down_proj)
+        if (self.tp.size > 1 or any(linear.bias is not None for linear in linears)
+                or linears[0].weight.dtype == torch.float16):
+            return
+        for layer in layers:
+            layer.fold_norms()
+        self.model.norms_folded = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] for every token of the flat batch."""

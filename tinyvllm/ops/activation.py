@@ -10,7 +10,7 @@ try:
 except ImportError:  # the CPU engine imports the reference on machines without Triton
     triton = None
 
-from tinyvllm.ops.layernorm import RowNorm, row_inv_rms, row_inv_rms_ref
+from tinyvllm.ops.layernorm import RowNorm, row_inv_rms, row_inv_rms_ref, row_norm_args
 from tinyvllm.ops.pdl import pdl_options, pdl_wait
 
 
@@ -53,11 +53,7 @@ def silu_and_mul_triton(x: torch.Tensor, norm: RowNorm | None = None) -> torch.T
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty((x2.shape[0], inter), dtype=x.dtype, device=x.device)
-    stream, eps, block_hidden = x2, 0.0, 1  # (unread without a norm)
-    if norm is not None:
-        stream, eps = norm.stream.reshape(x2.shape[0], norm.stream.shape[-1]), norm.eps
-        stream = stream if stream.stride(-1) == 1 else stream.contiguous()
-        block_hidden = triton.next_power_of_2(stream.shape[1])
+    stream, eps, block_hidden = row_norm_args(norm, x2.shape[0], x2)
     if x2.shape[0] > 0:
         # With a norm every program reads its row of the stream: wider tiles keep those reads to a few a row
         # (1,024-column tiles read each row 8 times at Llama-3.2-1B's 8,192; benchmarks/RESULTS.md).

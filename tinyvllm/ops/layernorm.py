@@ -45,6 +45,16 @@ def row_inv_rms_ref(norm: RowNorm) -> torch.Tensor:
     return torch.rsqrt(x32.pow(2).mean(-1) + norm.eps)
 
 
+def row_norm_args(norm: RowNorm | None, rows: int, unused: torch.Tensor) -> tuple[torch.Tensor, float, int]:
+    """(stream [rows, hidden] with contiguous rows, eps, BLOCK_HIDDEN) for a kernel that takes a RowNorm; without
+    one, `unused` stands in for the stream pointer (never read), eps 0 and BLOCK_HIDDEN 1."""
+    if norm is None:
+        return unused, 0.0, 1
+    stream = norm.stream.reshape(rows, norm.stream.shape[-1])
+    stream = stream if stream.stride(-1) == 1 else stream.contiguous()
+    return stream, norm.eps, triton.next_power_of_2(stream.shape[1])
+
+
 if triton is not None:
 
     @triton.jit

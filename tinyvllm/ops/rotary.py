@@ -13,7 +13,7 @@ try:
 except ImportError:  # the CPU engine imports the reference on machines without Triton
     triton = None
 
-from tinyvllm.ops.layernorm import RowNorm, row_inv_rms, row_inv_rms_ref
+from tinyvllm.ops.layernorm import RowNorm, row_inv_rms, row_inv_rms_ref, row_norm_args
 from tinyvllm.ops.pdl import pdl_options, pdl_wait
 
 
@@ -240,11 +240,7 @@ def rotary_embedding_and_store_triton(positions: torch.Tensor, q: torch.Tensor, 
     if num_tokens == 0:
         return q
     block_q = triton.next_power_of_2(num_q_heads)
-    stream, eps, block_hidden = q, 0.0, 1  # (unread without a norm)
-    if norm is not None:
-        stream, eps = norm.stream.reshape(num_tokens, norm.stream.shape[-1]), norm.eps
-        stream = stream if stream.stride(-1) == 1 else stream.contiguous()
-        block_hidden = triton.next_power_of_2(stream.shape[1])
+    stream, eps, block_hidden = row_norm_args(norm, num_tokens, q)
     _rotary_and_store_kernel[(num_tokens,)](
         q, k, v, positions.contiguous(), cos_sin_cache, k_cache, v_cache, slot_mapping.contiguous(), stream,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
