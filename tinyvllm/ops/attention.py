@@ -38,6 +38,9 @@ class AttentionMetadata:
     # token this step are in the same blocks (block_tables[0]'s), whole blocks, all short of the sequence's
     # newest token. Set, ops.paged_attention reads that prefix once for all of them (cascade_attention.py).
     common_prefix_len: torch.Tensor | None = None
+    # Decode steps of large batches: where the step's KV tiles are (a balanced_decode.DecodePlan), made by the first
+    # layer's attention and read by the others'.
+    decode_plan: object | None = None
 
     @property
     def num_seqs(self) -> int:
