@@ -36,7 +36,8 @@ QUERY_LENS, CONTEXT_LENS = [1, 1, 0, 1, 1, 1], [5, 35, 9, 70, 0, 130]
 @pytest.mark.parametrize("shape", _ATTENTION_SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv-d{s[2]}-bs{s[3]}-{s[4]}")
 @pytest.mark.parametrize("programs", [1, 3, 7, 40], ids=lambda p: f"{p}-programs")
 def test_balanced_decode(shape: tuple, programs: int) -> None:
-    """40 programs: more than the 16-key tiles, so some programs have none and every tile is a piece."""
+    """40 programs: more than the 16-key tiles, so only the first T programs take one tile each and every sequence of
+    more than one tile is cut at each of its tiles."""
     q, k_cache, v_cache, meta = _paged_batch(QUERY_LENS, CONTEXT_LENS, *shape)
     scale = shape[2] ** -0.5
     expected = paged_attention_ref(q, k_cache, v_cache, meta, scale)

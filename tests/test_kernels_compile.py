@@ -41,6 +41,8 @@ for module, name, constants, pointers, num_warps in json.loads(sys.argv[1]):
         assert -1 < ptx.find("prefetch.global.L2") < ptx.index("griddepcontrol.wait"), f"{constants}: no prefetch"
     if pointers.get("v_cache_ptr") == "*fp8e4nv":  # (attention._values_as: else sm_90 reads V a byte at a time)
         assert "ld.shared.b8" not in ptx, f"{name}: a float8 tile read from shared memory a byte at a time"
+    if name == "_balanced_decode_kernel":  # its one loop software-pipelined (plain 16-byte loads: not pipelined)
+        assert "ld.global.v4" not in ptx, f"{constants}: the tile loop's loads are not pipelined"
     if name in ("_paged_decode_kernel", "_balanced_decode_kernel"):  # K/V tiles: 16-byte asynchronous copies
         assert "cp.async.cg.shared.global" in ptx and "ld.global.b8" not in ptx and "ld.global.b16" not in ptx, \
             f"{constants} {pointers.get('k_cache_ptr', '*bf16')}: K/V tiles not copied in 16-byte pieces"

@@ -937,9 +937,10 @@ def test_decode_attention_fp8_cache_in_cuda_graph() -> None:
     assert_close("decode attention, fp8 cache, CUDA graph replay", out, ref, torch.bfloat16)
 
 
-# Balanced decode (ops/balanced_decode.py, the engine's decode path from 64 sequences): the step's tiles in equal
-# shares of the GPU's programs, sequences cut between programs merged by the piece that ends last. With the grid the
-# engine takes and with a small one (sequences cut into many pieces); idle rows and padding rows (context 0).
+# Balanced decode (ops/balanced_decode.py, the engine's decode path from 64 sequences with
+# TINYVLLM_BALANCED_DECODE=1): the step's tiles in equal shares of the GPU's programs, sequences cut between programs
+# merged by the piece that ends last. With the grid the engine takes and with a small one (sequences cut into many
+# pieces); idle rows and padding rows (context 0); fewer tiles than the engine grid's programs (some programs idle).
 BALANCED_CASES: dict[str, Callable[[], dict]] = {
     "batch 256 contexts <=2048": lambda: dict(query_lens=[1] * 256, context_lens=rand_lens(256, 1, 2048)),
     "batch 64 contexts <=8192, idle and padding rows": lambda: dict(
@@ -947,6 +948,8 @@ BALANCED_CASES: dict[str, Callable[[], dict]] = {
     "batch 64 d128": lambda: dict(query_lens=[1] * 64, context_lens=rand_lens(64, 1, 4096), head_dim=128),
     "batch 96 9q-3kv": lambda: dict(query_lens=[1] * 96, context_lens=rand_lens(96, 1, 3000), num_q_heads=9,
                                     num_kv_heads=3),
+    "batch 64 contexts <=100, fewer tiles than programs": lambda: dict(query_lens=[1] * 64,
+                                                                        context_lens=rand_lens(64, 1, 100)),
 }
 
 
@@ -968,11 +971,13 @@ def test_balanced_decode(cache: str, case: str, programs: int | None) -> None:
 
 def test_balanced_decode_layers_in_cuda_graph() -> None:
     """A decode step's 16 layers on a float8 cache in a CUDA graph as the engine captures them (the first layer's call
-    plans the step, the others read the plan), replayed on new q, new contexts and new cache contents: every layer
-    right, and every count of pieces back at zero."""
+    plans the step, the others read the plan), replayed twice on new q, new contexts (longer and shorter than the
+    captured ones: every row owns 2,048 tokens of blocks) and new K and V: every layer right, and every count of
+    pieces back at zero."""
     layers = 16
-    q, k_cache, v_cache, meta = paged_batch([1] * 256, rand_lens(256, 1, 2048), torch.bfloat16)
+    q, k_cache, v_cache, meta = paged_batch([1] * 256, [2048] * 256, torch.bfloat16)
     k_cache, v_cache = k_cache.to(FP8), v_cache.to(FP8)
+    meta.context_lens.copy_(torch.randint(1, 2049, (256,), device=DEVICE, dtype=torch.int32))
     queries = [torch.randn_like(q) for _ in range(layers)]
     scale = HEAD_DIM**-0.5
 
@@ -981,14 +986,12 @@ def test_balanced_decode_layers_in_cuda_graph() -> None:
         return [balanced_decode_triton(queries[i], k_cache, v_cache, meta, scale) for i in range(layers)]
 
     graph, outs = captured(step)
-    blocks = meta.block_tables.shape[1] * BLOCK_SIZE
     for _ in range(2):
-        meta.context_lens.copy_(torch.minimum(torch.randint(1, 2049, (256,), device=DEVICE, dtype=torch.int32),
-                                              meta.context_lens.clamp(max=blocks)))  # (within each row's blocks)
+        meta.context_lens.copy_(torch.randint(1, 2049, (256,), device=DEVICE, dtype=torch.int32))
         for query in queries:
             query.copy_(torch.randn_like(query))
-        owned = ~k_cache.float().isnan()
-        k_cache.copy_(torch.where(owned, torch.randn(k_cache.shape, device=DEVICE), float("nan")).to(FP8))
+        for cache in (k_cache, v_cache):
+            cache.copy_(torch.randn(cache.shape, device=DEVICE).to(FP8))
         graph.replay()
         torch.cuda.synchronize()
         assert not meta.decode_plan.counters.any(), "a sequence's count of pieces left nonzero"
