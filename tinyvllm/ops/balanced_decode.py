@@ -156,7 +156,7 @@ if triton is not None:
                      mask=(empty & (cell_head < GROUP))[:, None])
 
         # With fewer tiles than programs only the first T programs take one each: every program with tiles holds
-        # at least one, so a sequence's pieces are programs p_first .. p_last, all of them (_finish_piece).
+        # at least one, so a sequence's pieces are programs p_first .. p_last, all of them (_finish_cut).
         total = tl.load(cu_tiles_ptr + num_seqs)
         num_programs = tl.maximum(tl.minimum(num_programs, total), 1)
         lo = tl.minimum(p * total // num_programs, total)
