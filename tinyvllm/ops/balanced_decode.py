@@ -98,7 +98,7 @@ def paged_attention_balanced(
 
 if triton is not None:
 
-    from tinyvllm.ops.attention import _attend_tile, _merge_piece, _query_for
+    from tinyvllm.ops.attention import _attend_tile, _merge_slots, _query_for
 
     # One program: cu_tiles, then tile_seq, BLOCK_B sequences at a time (a running offset carries the sum).
     @triton.jit
@@ -224,21 +224,11 @@ if triton is not None:
             p_last = (end * num_programs - 1) // total
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == p_last - p_first:
                 tl.debug_barrier()
+                acc, weights, _ = _merge_slots(partial_out_ptr, partial_lse_ptr,
+                                               (seq + p_first).to(tl.int64) * num_q_heads + head, num_q_heads,
+                                               p_last - p_first + 1, tl.full(head.shape, float("-inf"), tl.float32),
+                                               row_valid, HEAD_DIM)
                 offs_d = tl.arange(0, HEAD_DIM)
-                top = tl.full(head.shape, float("-inf"), dtype=tl.float32)
-                for piece in range(p_first, p_last + 1):
-                    slots = (seq + piece).to(tl.int64) * num_q_heads + head
-                    top = tl.maximum(top, tl.load(partial_lse_ptr + slots, mask=row_valid, other=float("-inf"),
-                                                  cache_modifier=".cg"))
-                acc = tl.zeros([head.shape[0], HEAD_DIM], dtype=tl.float32)
-                weights = tl.zeros(head.shape, dtype=tl.float32)
-                for piece in range(p_first, p_last + 1):
-                    slots = (seq + piece).to(tl.int64) * num_q_heads + head
-                    piece_lse = tl.load(partial_lse_ptr + slots, mask=row_valid, other=float("-inf"),
-                                        cache_modifier=".cg")
-                    piece_out = tl.load(partial_out_ptr + slots[:, None] * HEAD_DIM + offs_d[None, :],
-                                        mask=row_valid[:, None], other=0.0, cache_modifier=".cg")
-                    acc, weights = _merge_piece(acc, weights, piece_out, piece_lse, top)
                 token = tl.load(cu_query_lens_ptr + seq).to(tl.int64)
                 tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                          (acc / weights[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
