@@ -17,10 +17,8 @@ from tinyvllm.ops.pdl import pdl_options, pdl_wait
 def silu_and_mul_ref(x: torch.Tensor, norm: RowNorm | None = None) -> torch.Tensor:
     """x [T, 2I] (gate then up, as the merged gate_up projection writes them) -> [T, I]; with `norm`, gate and up
     scaled by row_inv_rms_ref(norm) first, in float32."""
-    gate, up = x.float().chunk(2, dim=-1)
-    if norm is not None:
-        scale = row_inv_rms_ref(norm)[:, None]
-        gate, up = gate * scale, up * scale
+    x32 = x.float() if norm is None else x.float() * row_inv_rms_ref(norm)[:, None]
+    gate, up = x32.chunk(2, dim=-1)
     return (F.silu(gate) * up).to(x.dtype)
 
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -99,15 +100,27 @@ def paged_attention_ref(
 def _decode_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """One new token per sequence: the whole batch at once over its padded block tables (a Python loop
-    over sequences would cost more than the arithmetic on the CPU)."""
+    """One new token per sequence: the whole batch at once over its padded block tables, in one call of torch's
+    scaled_dot_product_attention (the CPU engine's decode path: there a Python loop over sequences, or each small op
+    of attend_blocks_ref, costs more than the arithmetic)."""
     num_seqs, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_blocks = min((meta.max_context_len + block_size - 1) // block_size, meta.block_tables.shape[1])
+    blocks, length = meta.block_tables[:, :num_blocks], num_blocks * block_size
+    visible = torch.arange(length, device=q.device) < meta.context_lens[:, None]  # [B, L]
+    keep, zero = visible.view(num_seqs, 1, num_blocks, block_size, 1), q.new_zeros((), dtype=torch.float32)
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # [B, Hkv, L, D] float32, zeros past each context
+        out = torch.empty(num_seqs, num_kv_heads, num_blocks, block_size, head_dim, device=q.device)
+        # slots past the context may hold anything, even NaN; one pass keeps the rest and reorders it
+        torch.where(keep, cache[blocks].permute(0, 3, 1, 2, 4).float(), zero, out=out)
+        return out.view(num_seqs, num_kv_heads, length, head_dim)
+
+    # the query heads of a KV head are the rows of one attention problem (no K/V repeated per query head)
     query = q.float().view(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    out, _ = attend_blocks_ref(query, k_cache, v_cache, meta.block_tables[:, :num_blocks].long(), 0,
-                               meta.context_lens, scale)
-    return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)
+    out = F.scaled_dot_product_attention(query, gather(k_cache), gather(v_cache), visible[:, None, None],
+                                         scale=scale)
+    return out.nan_to_num(0.0).view(num_seqs, num_q_heads, head_dim).to(q.dtype)  # padding rows (context 0): zeros
 
 
 def attend_blocks_ref(

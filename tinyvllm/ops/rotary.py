@@ -67,11 +67,19 @@ def store_kv_ref(
     """k, v [T, Hk, D] into k_cache, v_cache [num_blocks, block_size, Hk, D] at flat slot
     slot_mapping[t] = block * block_size + offset (converted by to_cache_dtype_ref); a slot of -1 (padding) is
     skipped. In place."""
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
+    rows = (slot_mapping >= 0).nonzero().squeeze(1)
+    slots = slot_mapping[rows]
     blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]  # (indexed so: any layout of the pool)
-    k_cache[blocks, offsets] = to_cache_dtype_ref(k[valid], k_cache.dtype)
-    v_cache[blocks, offsets] = to_cache_dtype_ref(v[valid], v_cache.dtype)
+    k_cache[blocks, offsets] = to_cache_dtype_ref(k[rows], k_cache.dtype)
+    v_cache[blocks, offsets] = to_cache_dtype_ref(v[rows], v_cache.dtype)
+
+
+def _rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by each token's position, in float32."""
+    half = x.shape[-1] // 2
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).split(half, dim=-1)
+    x1, x2 = x.float().split(half, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def rotary_embedding_ref(
@@ -80,14 +88,7 @@ def rotary_embedding_ref(
     """q [T, Hq, D], k [T, Hk, D] rotated by their token's position; returns new (q, k).
 
     With x = (x1, x2) the two halves of a head: out = (x1*cos - x2*sin, x2*cos + x1*sin)."""
-    half = q.shape[-1] // 2
-    cos, sin = cos_sin_cache[positions].unsqueeze(1).split(half, dim=-1)
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().split(half, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-    return rotate(q), rotate(k)
+    return (_rotate(q, positions, cos_sin_cache).to(q.dtype), _rotate(k, positions, cos_sin_cache).to(k.dtype))
 
 
 def rotary_embedding_and_store_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -124,17 +125,18 @@ def _qkv_heads(qkv: torch.Tensor, rope: RopeStore) -> tuple[torch.Tensor, torch.
 def rope_store_ref(qkv: torch.Tensor, rope: RopeStore, norm: RowNorm | None = None) -> torch.Tensor:
     """rotary_embedding_and_store_ref on the q, k and v columns of qkv [T, (Hq + 2 Hk) * D], with the rotated q
     written back in place (as the Triton kernel rotates it): qkv holds q rotated, and k and v as they were. With
-    `norm`, q, k and v are first scaled by row_inv_rms_ref(norm), in float32 (rounded once, after the rotation)."""
-    q, k, v = _qkv_heads(qkv, rope)
-    if norm is None:
-        q.copy_(rotary_embedding_and_store_ref(rope.positions, q, k, v, rope.cos_sin_cache, rope.k_cache,
-                                               rope.v_cache, rope.slot_mapping))
-        return qkv
-    scale = row_inv_rms_ref(norm)[:, None, None]
-    q32, k32 = rotary_embedding_ref(rope.positions, q.float() * scale, k.float() * scale, rope.cos_sin_cache)
-    store_kv_ref(k32.to(qkv.dtype), (v.float() * scale).to(qkv.dtype), rope.k_cache, rope.v_cache,
+    `norm`, q, k and v are first scaled by row_inv_rms_ref(norm), in float32 (rounded once, after the rotation).
+    q and k are rotated together, as one row of Hq + Hk heads (the CPU engine's path: fewer, larger ops)."""
+    num_tokens, head_dim = qkv.shape[0], rope.k_cache.shape[-1]
+    x = qkv.float()
+    if norm is not None:
+        x = x * row_inv_rms_ref(norm)[:, None]
+    qk_cols = (rope.num_q_heads + rope.num_kv_heads) * head_dim
+    qk = _rotate(x[:, :qk_cols].view(num_tokens, -1, head_dim), rope.positions, rope.cos_sin_cache).to(qkv.dtype)
+    q, k = qk.split([rope.num_q_heads, rope.num_kv_heads], dim=1)
+    store_kv_ref(k, x[:, qk_cols:].view(num_tokens, -1, head_dim).to(qkv.dtype), rope.k_cache, rope.v_cache,
                  rope.slot_mapping)
-    q.copy_(q32)
+    qkv[:, :rope.num_q_heads * head_dim] = q.flatten(1)
     return qkv
 
 
