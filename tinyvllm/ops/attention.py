@@ -120,7 +120,7 @@ def _decode_ref(
     query = q.float().view(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(query, gather(k_cache), gather(v_cache), visible[:, None, None],
                                          scale=scale)
-    return out.nan_to_num(0.0).view(num_seqs, num_q_heads, head_dim).to(q.dtype)  # padding rows (context 0): zeros
+    return out.nan_to_num(0.0).reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)  # padding rows (context 0): zeros
 
 
 def attend_blocks_ref(
