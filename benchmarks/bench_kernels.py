@@ -12,12 +12,6 @@
   GB/s (the K+V bytes the plain kernel reads) vs the plain paged decode kernel on the same blocks and vs SDPA
   flash on contiguous KV of the mean length; first a bf16 correctness check against the float32 reference;
   --sweep cascade (or all) also times other prefix splits and row tiles;
-- with --balanced, alone: balanced decode attention (tinyvllm/ops/balanced_decode.py: the step's KV tiles in equal
-  shares of a fixed grid) against the plain decode kernel at 64-256 sequences of fixed and U(100, 2048) contexts,
-  float8 and bf16 caches: µs per layer, 16 layers on pools of their own sharing one step's plan in a CUDA graph
-  (its planning launch counted), after a check of the first and last layers of a graph replay against the
-  float32 reference; --kv-cache-dtype
-  fp8 keeps the float8 cases alone;
 - with --gemv, alone: the skinny matmul (tinyvllm/ops/linear.py) at M = 1..64 (--batches: other row counts) on
   the five Llama-3.2-1B products, in the calls the model makes, vs cuBLAS (the projections' weights stored
   input-major, and in a last column output-major, as the model keeps those that run on the decode kernels at a
@@ -38,7 +32,6 @@
                                                                          and each in the other pool layout)
     python benchmarks/bench_kernels.py --gemv [--gemv-sweep] [--batches 128,256]   (--batches: the rows of both)
     python benchmarks/bench_kernels.py --cascade [--sweep cascade]
-    python benchmarks/bench_kernels.py --balanced [--kv-cache-dtype fp8]
     python benchmarks/bench_kernels.py --fused [--batches 1,2,4,8] [--sweep]
 
 --sweep also times alternative launch configurations: attention tiles, warps, stages and splits; RMSNorm
@@ -83,7 +76,6 @@ from tinyvllm.ops.attention import (  # noqa: E402
     paged_prefill_triton,
     prefill_config,
 )
-from tinyvllm.ops.balanced_decode import balanced_decode_triton, balanced_programs  # noqa: E402
 from tinyvllm.ops.cascade_attention import (  # noqa: E402
     CascadePlan,
     cascade_attention_triton,
@@ -733,85 +725,6 @@ def sweep_decode(batch: int, context: int) -> None:
         print(f"  {config}: GB/s by number of splits  " + "  ".join(results), flush=True)
 
 
-# ------------------------------------------------------------------------------------ balanced decode attention
-
-# (batch, contexts: an int for all, "U" for U(100, 2048) each, float8 cache)
-BALANCED_CASES = [(256, "U", True), (256, 512, True), (256, 2048, True), (128, "U", True), (64, "U", True),
-                  (256, "U", False), (64, "U", False)]
-BALANCED_LAYERS = 16
-
-
-def balanced_layers(batch: int, contexts: list[int], fp8: bool) -> tuple[list[tuple], object]:
-    """BALANCED_LAYERS layers' (q, k_cache, v_cache) on pools of their own, all blocks filled, and the step's
-    metadata (one block table for all layers, as the engine's step has)."""
-    blocks = triton.cdiv(max(contexts), BLOCK_SIZE)
-    num_blocks = batch * blocks
-    tables = torch.randperm(num_blocks, device=DEVICE).view(batch, blocks).int()
-    layers = []
-    for _ in range(BALANCED_LAYERS):
-        k, v = (kv_pool(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, DTYPE, DEVICE).normal_() for _ in "kv")
-        if fp8:
-            k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
-        layers.append((torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE), k, v))
-    return layers, metadata([1] * batch, contexts, tables)
-
-
-def run_balanced() -> int:
-    """Balanced decode attention against the plain kernel (see the module's docstring): a check of the first and
-    last layers of a CUDA-graph replay against the float32 reference (and every count of pieces back at zero),
-    then µs per layer with the engine's grid and a smaller one."""
-    scale = HEAD_DIM**-0.5
-    programs = balanced_programs(DEVICE, NUM_KV_HEADS)
-    rows = []
-    failed = False
-    for batch, kind, fp8 in BALANCED_CASES:
-        if KV_CACHE_FP8 and not fp8:
-            continue
-        contexts = torch.randint(100, 2049, (batch,)).tolist() if kind == "U" else [kind] * batch
-        layers, meta = balanced_layers(batch, contexts, fp8)
-        nbytes = sum(contexts) * NUM_KV_HEADS * HEAD_DIM * 2 * layers[0][1].element_size()
-        refs = {i: paged_attention_ref(*layers[i], meta, scale).float() for i in (0, BALANCED_LAYERS - 1)}
-
-        def plain(layers: list = layers, meta: object = meta) -> None:
-            for q, k, v in layers:
-                paged_decode_triton(q, k, v, meta, scale)
-
-        plain_us = bench_graph(plain, BALANCED_LAYERS) * 1e3
-        case = f"B={batch} ctx={'U(100,2048)' if kind == 'U' else kind} {'fp8' if fp8 else 'bf16'}"
-        row = [case, f"{nbytes / 2**20:.0f}", f"{plain_us:.2f} ({nbytes / plain_us / 1e3:.0f} GB/s)"]
-        for grid in (programs, max(1, programs * 4 // 5)):
-            outs = [torch.empty_like(layers[0][0]) for _ in layers]
-
-            def balanced(layers: list = layers, meta: object = meta, grid: int = grid, outs: list = outs) -> None:
-                meta.decode_plan = None  # (a step's plan, made by its first layer's call, as in the engine)
-                for (q, k, v), out in zip(layers, outs):
-                    balanced_decode_triton(q, k, v, meta, scale, out=out, programs=grid)
-
-            graph = torch.cuda.CUDAGraph()
-            balanced()
-            with torch.cuda.graph(graph):
-                balanced()
-            for _ in range(3):
-                graph.replay()
-            torch.cuda.synchronize()
-            errors = [_relative_error(outs[i], ref) for i, ref in refs.items()]
-            counts = int(meta.decode_plan.counters.abs().sum())
-            if max(errors) > 1e-2 or counts:
-                failed = True
-                print(f"  {case}, {grid} programs per KV head: FAILED (errors {errors}, counts left {counts})")
-            us = bench_graph(balanced, BALANCED_LAYERS) * 1e3
-            row.append(f"{us:.2f} ({plain_us / us:.3f}x faster, err {max(errors):.1e})")
-        print("  " + "  ".join(row), flush=True)
-        rows.append(tuple(row))
-        del layers, outs, refs, graph, plain, balanced  # (the closures and the graph hold the pools too)
-        torch.cuda.empty_cache()
-    print("\n## Balanced decode attention (µs per layer, 16 layers per CUDA graph; in brackets its speed-up over the "
-          "plain kernel, plain µs / balanced µs)\n")
-    print_columns(("case", "MiB K+V", "plain kernel", f"balanced, {programs} programs per KV head",
-                   f"balanced, {max(1, programs * 4 // 5)}"), rows)
-    return 1 if failed else 0
-
-
 # ------------------------------------------------------------------------------------ skinny matmul (GEMV)
 
 # (N, K) of the five products of a Llama-3.2-1B decode step. The projections are stored input-major on CUDA
@@ -1406,7 +1319,6 @@ def main() -> int:
     parser.add_argument("--gemv-sweep", action="store_true", help="with --gemv: also time alternative configs")
     parser.add_argument("--cascade", action="store_true", help="the cascade attention section alone (check + table)")
     parser.add_argument("--fused", action="store_true", help="the fused decode kernels alone (check + table)")
-    parser.add_argument("--balanced", action="store_true", help="balanced decode attention alone (check + table)")
     parser.add_argument("--sampling", action="store_true", help="the sampling table alone")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
                         help="fp8: the decode attention table alone, on float8 e4m3 caches against ours on bf16 caches")
@@ -1430,8 +1342,6 @@ def main() -> int:
         return run_gemv(args.gemv_sweep)
     if args.cascade:
         return run_cascade(args.sweep in ("all", "cascade"))
-    if args.balanced:
-        return run_balanced()
     if args.sampling:
         sampling = Table("Sampling (microseconds per call; lower is better, so ours/peer < 1 wins)", "us")
         bench_sampling(sampling)

@@ -6,9 +6,7 @@
 # compare), tests-fp8 (the GPU tests of its kernels and engine), kernels-fp8 (decode attention on it) and sweep-fp8
 # (its decode tiles), throughput-fp8-token-major (throughput-fp8 with the pools token-major, TINYVLLM_KV_HEAD_MAJOR=0);
 # products-256 (cuBLAS and our Triton tiles at a 128- and 256-sequence step's rows); sampling (the sampling table)
-# and tests-sampling (the sampler's GPU tests); balanced (balanced decode attention: its GPU tests and its kernel table
-# against the plain kernel's) and throughput-balanced (throughput-fp8 with TINYVLLM_BALANCED_DECODE=1 and =0,
-# alternated twice; ~4 minutes), e.g.
+# and tests-sampling (the sampler's GPU tests), e.g.
 #     bash scripts/gpu_check.sh tests latency
 # PYTHON picks the interpreter (default python3); LIMIT_S the seconds per part (default 300, and 900 for the tests:
 # on an H100 the 209 GPU tests took more than 280 s, and the float8 KV cache's engine tests start six engines more).
@@ -37,19 +35,13 @@ for part in "${parts[@]}"; do
         products-256) command=("$python" benchmarks/bench_kernels.py --gemv --gemv-sweep --batches 128,256) ;;
         sampling) command=("$python" benchmarks/bench_kernels.py --sampling) ;;
         tests-sampling) command=("$python" -m pytest -q -m cuda -p no:cacheprovider tests/gpu -k sample) ;;
-        balanced) command=(bash -c "$python -m pytest -q -m cuda -p no:cacheprovider tests/gpu -k balanced &&
-                                    $python benchmarks/bench_kernels.py --balanced") ;;
-        throughput-balanced) command=(bash -c "for on in 1 0 1 0; do echo TINYVLLM_BALANCED_DECODE=\$on &&
-                                               TINYVLLM_BALANCED_DECODE=\$on $python benchmarks/throughput.py \
-                                               --trace --no-peer --no-static --kv-cache-dtype fp8 || exit 1; done") ;;
         *) echo "unknown part: $part (tests, latency, throughput, shared-prefix, serve, serve-floor," \
                 "throughput-fp8, tests-fp8, kernels-fp8, sweep-fp8, throughput-fp8-token-major, products-256," \
-                "sampling, tests-sampling, balanced, throughput-balanced)" >&2
+                "sampling, tests-sampling)" >&2
            exit 2 ;;
     esac
     part_limit=$limit
     [ "$part" = tests ] && part_limit=$tests_limit
-    [ "$part" = throughput-balanced ] && part_limit=$((2 * limit))
     echo "=== $part: ${command[*]} (limit ${part_limit} s)"
     start=$(date +%s)
     timeout "$part_limit" "${command[@]}"

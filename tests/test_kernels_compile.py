@@ -41,9 +41,7 @@ for module, name, constants, pointers, num_warps in json.loads(sys.argv[1]):
         assert -1 < ptx.find("prefetch.global.L2") < ptx.index("griddepcontrol.wait"), f"{constants}: no prefetch"
     if pointers.get("v_cache_ptr") == "*fp8e4nv":  # (attention._values_as: else sm_90 reads V a byte at a time)
         assert "ld.shared.b8" not in ptx, f"{name}: a float8 tile read from shared memory a byte at a time"
-    if name == "_balanced_decode_kernel":  # its one loop software-pipelined (plain 16-byte loads: not pipelined)
-        assert "ld.global.v4" not in ptx, f"{constants}: the tile loop's loads are not pipelined"
-    if name in ("_paged_decode_kernel", "_balanced_decode_kernel"):  # K/V tiles: 16-byte asynchronous copies
+    if name == "_paged_decode_kernel":  # K and V tiles in 16-byte asynchronous copies, never element by element
         assert "cp.async.cg.shared.global" in ptx and "ld.global.b8" not in ptx and "ld.global.b16" not in ptx, \
             f"{constants} {pointers.get('k_cache_ptr', '*bf16')}: K/V tiles not copied in 16-byte pieces"
     count += 1
@@ -60,8 +58,6 @@ _DECODE = dict(GROUP=4, BLOCK_G=16, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=64, USE_
 _FP8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
 _PREFILL = dict(GROUP=4, BLOCK_M=128, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=64, USE_PDL=True)
 _CASCADE_PREFIX = dict(GROUP=4, BLOCK_M=64, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=64, USE_PDL=True)
-_BALANCED = "tinyvllm.ops.balanced_decode"
-_PLAN = {"cu_tiles_ptr": "*i32", "tile_seq_ptr": "*i32", "counters_ptr": "*i32"}
 
 
 def _gemv(block_n: int, block_k: int, norm: bool, silu: bool, rope: bool) -> dict:
@@ -81,11 +77,6 @@ CASES = [
                                   (False, True, True))],
     (_ATTENTION, "_paged_decode_kernel", {**_DECODE, "BLOCK_G": 4, "BLOCK_N": 128, "SINGLE_SPLIT": True,
                                           "SKIP_PREFIX": False, "MERGE_PREFIX": False}, {**_PARTIALS, **_FP8}, 4),
-    # balanced decode (large batches): a float8 cache's 128-key tile, a bf16 cache's 64-key tile; its plan
-    *[(_BALANCED, "_balanced_decode_kernel", dict(GROUP=4, BLOCK_G=rows, BLOCK_N=block_n, BLOCK_SIZE=16, HEAD_DIM=64,
-                                                  USE_PDL=True), {**_PARTIALS, **_PLAN, **caches}, 4)
-      for rows, block_n, caches in ((4, 128, _FP8), (16, 64, {}))],
-    (_BALANCED, "_plan_kernel", dict(BLOCK_B=256, BLOCK_N=128, USE_PDL=True), {**_PARTIALS, **_PLAN}, 4),
     *[("tinyvllm.ops.cascade_attention", "_cascade_prefix_kernel", _CASCADE_PREFIX, {**_PARTIALS, **caches}, 4)
       for caches in ({}, _FP8)],
     *[(_ATTENTION, "_combine_splits_kernel", dict(HEADS=heads, BLOCK_SPLITS=64, BLOCK_N=64, HEAD_DIM=64,

@@ -29,7 +29,6 @@ from tests.utils import CUDA_ONLY, attention_metadata, relative_error  # noqa: E
 from tinyvllm.ops import kv_pool  # noqa: E402
 from tinyvllm.ops.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from tinyvllm.ops.attention import AttentionMetadata, paged_attention_ref, paged_attention_triton  # noqa: E402
-from tinyvllm.ops.balanced_decode import balanced_decode_triton, balanced_programs  # noqa: E402
 from tinyvllm.ops.cascade_attention import cascade_attention_triton  # noqa: E402
 from tinyvllm.ops.decode_inputs import unpack_decode_inputs_ref, unpack_decode_inputs_triton  # noqa: E402
 from tinyvllm.ops.embedding import embedding_ref, embedding_triton  # noqa: E402
@@ -935,71 +934,6 @@ def test_decode_attention_fp8_cache_in_cuda_graph() -> None:
     graph.replay()
     ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, scale)
     assert_close("decode attention, fp8 cache, CUDA graph replay", out, ref, torch.bfloat16)
-
-
-# Balanced decode (ops/balanced_decode.py, the engine's decode path from 64 sequences with
-# TINYVLLM_BALANCED_DECODE=1): the step's tiles in equal shares of the GPU's programs, sequences cut between programs
-# merged by the piece that ends last. With the grid the engine takes and with a small one (sequences cut into many
-# pieces); idle rows and padding rows (context 0); fewer tiles than the engine grid's programs (some programs idle).
-BALANCED_CASES: dict[str, Callable[[], dict]] = {
-    "batch 256 contexts <=2048": lambda: dict(query_lens=[1] * 256, context_lens=rand_lens(256, 1, 2048)),
-    "batch 64 contexts <=8192, idle and padding rows": lambda: dict(
-        query_lens=[1] * 60 + [0, 0, 1, 1], context_lens=rand_lens(60, 1, 8192) + [300, 5, 0, 0]),
-    "batch 64 d128": lambda: dict(query_lens=[1] * 64, context_lens=rand_lens(64, 1, 4096), head_dim=128),
-    "batch 96 9q-3kv": lambda: dict(query_lens=[1] * 96, context_lens=rand_lens(96, 1, 3000), num_q_heads=9,
-                                    num_kv_heads=3),
-    "batch 64 contexts <=100, fewer tiles than programs": lambda: dict(query_lens=[1] * 64,
-                                                                        context_lens=rand_lens(64, 1, 100)),
-}
-
-
-@pytest.mark.parametrize("programs", [None, 5], ids=["engine-grid", "5-programs"])
-@pytest.mark.parametrize("case", list(BALANCED_CASES))
-@pytest.mark.parametrize("cache", ["bfloat16", "float32", "fp8"])
-def test_balanced_decode(cache: str, case: str, programs: int | None) -> None:
-    dtype = torch.float32 if cache == "float32" else torch.bfloat16
-    q, k_cache, v_cache, meta = case_batch(BALANCED_CASES[case](), lambda query_lens, context_lens, **spec:
-                                           paged_batch(query_lens, context_lens, dtype, **spec))
-    if cache == "fp8":
-        k_cache, v_cache = k_cache.to(FP8), v_cache.to(FP8)  # (NaN stays NaN)
-    scale = q.shape[-1] ** -0.5
-    out = poisoned(lambda: balanced_decode_triton(q, k_cache, v_cache, meta, scale, programs=programs))
-    ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, scale)
-    assert_close(f"balanced decode {case}, {cache} cache, {programs or 'the engine grid of'} programs", out, ref, dtype)
-    assert not meta.decode_plan.counters.any(), "a sequence's count of pieces left nonzero"
-
-
-def test_balanced_decode_layers_in_cuda_graph() -> None:
-    """A decode step's 16 layers on a float8 cache in a CUDA graph as the engine captures them (the first layer's call
-    plans the step, the others read the plan), replayed twice on new q, new contexts (longer and shorter than the
-    captured ones: every row owns 2,048 tokens of blocks) and new K and V: every layer right, and every count of
-    pieces back at zero."""
-    layers = 16
-    q, k_cache, v_cache, meta = paged_batch([1] * 256, [2048] * 256, torch.bfloat16)
-    k_cache, v_cache = k_cache.to(FP8), v_cache.to(FP8)
-    meta.context_lens.copy_(torch.randint(1, 2049, (256,), device=DEVICE, dtype=torch.int32))
-    queries = [torch.randn_like(q) for _ in range(layers)]
-    scale = HEAD_DIM**-0.5
-
-    def step() -> list[torch.Tensor]:
-        meta.decode_plan = None  # (a new step: the engine builds a new AttentionMetadata)
-        return [balanced_decode_triton(queries[i], k_cache, v_cache, meta, scale) for i in range(layers)]
-
-    graph, outs = captured(step)
-    for _ in range(2):
-        meta.context_lens.copy_(torch.randint(1, 2049, (256,), device=DEVICE, dtype=torch.int32))
-        for query in queries:
-            query.copy_(torch.randn_like(query))
-        for cache in (k_cache, v_cache):
-            cache.copy_(torch.randn(cache.shape, device=DEVICE).to(FP8))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert not meta.decode_plan.counters.any(), "a sequence's count of pieces left nonzero"
-        for i in (0, 7, layers - 1):
-            ref = paged_attention_ref(queries[i].float(), k_cache.float(), v_cache.float(), meta, scale)
-            assert_close(f"balanced decode, layer {i} of a CUDA graph replay", outs[i], ref, torch.bfloat16)
-    assert balanced_programs(q.device, NUM_KV_HEADS) * NUM_KV_HEADS >= torch.cuda.get_device_properties(
-        DEVICE).multi_processor_count
 
 
 @pytest.mark.parametrize("magnitude", [1.0, 1000.0], ids=["randn", "beyond-448"])

@@ -39,9 +39,6 @@ class AttentionMetadata:
     # token this step are in the same blocks (block_tables[0]'s), whole blocks, all short of the sequence's
     # newest token. Set, ops.paged_attention reads that prefix once for all of them (cascade_attention.py).
     common_prefix_len: torch.Tensor | None = None
-    # Decode steps of large batches: where the step's KV tiles are (a balanced_decode.DecodePlan), made by the first
-    # layer's attention and read by the others'.
-    decode_plan: object | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -423,8 +420,16 @@ if triton is not None:
             lse = tl.where(empty, float("-inf"), lse)
             rows_slots = (seq * num_q_heads + head).to(tl.int64) * num_slots  # each row's first slot
             pieces = _prefix_pieces(key_start, num_prefix_splits, min_partition, BLOCK_N)
-            acc, total, top = _merge_slots(partial_out_ptr, partial_lse_ptr, rows_slots, 1, pieces, lse, row_valid,
-                                           HEAD_DIM)
+            top = lse
+            for slot in range(0, pieces):
+                top = tl.maximum(top, tl.load(partial_lse_ptr + rows_slots + slot, mask=row_valid, other=float("-inf")))
+            acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+            total = tl.zeros([BLOCK_G], dtype=tl.float32)
+            for slot in range(0, pieces):
+                piece_lse = tl.load(partial_lse_ptr + rows_slots + slot, mask=row_valid, other=float("-inf"))
+                piece = tl.load(partial_out_ptr + (rows_slots + slot)[:, None] * HEAD_DIM + offs_d[None, :],
+                                mask=row_valid[:, None], other=0.0)
+                acc, total = _merge_piece(acc, total, piece, piece_lse, top)
             acc, total = _merge_piece(acc, total, out, lse, top)
             tl.store(out_ptrs, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
         else:
@@ -451,28 +456,6 @@ if triton is not None:
         without keys, loaded as lse -inf and piece 0)."""
         weight = tl.exp2(piece_lse - top)
         return acc + piece * weight[:, None], total + weight
-
-    @triton.jit
-    def _merge_slots(partial_out_ptr, partial_lse_ptr, first_slots, slot_stride, count, top, row_valid,
-                     HEAD_DIM: tl.constexpr):
-        """The combine's sums over `count` pieces of each row, slots first_slots + j * slot_stride (first_slots
-        [ROWS] int64): (acc, total, top), top the largest of the pieces' log2-sum-exps and the `top` given (a piece
-        the caller holds in registers and merges next, or -inf). The pieces are read from L2 (.cg): they may be
-        another program's of the same launch (balanced_decode.py)."""
-        offs_d = tl.arange(0, HEAD_DIM)
-        for j in range(0, count):
-            slots = first_slots + j * slot_stride
-            top = tl.maximum(top, tl.load(partial_lse_ptr + slots, mask=row_valid, other=float("-inf"),
-                                          cache_modifier=".cg"))
-        acc = tl.zeros([first_slots.shape[0], HEAD_DIM], dtype=tl.float32)
-        total = tl.zeros(first_slots.shape, dtype=tl.float32)
-        for j in range(0, count):
-            slots = first_slots + j * slot_stride
-            piece_lse = tl.load(partial_lse_ptr + slots, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
-            piece = tl.load(partial_out_ptr + slots[:, None] * HEAD_DIM + offs_d[None, :], mask=row_valid[:, None],
-                            other=0.0, cache_modifier=".cg")
-            acc, total = _merge_piece(acc, total, piece, piece_lse, top)
-        return acc, total, top
 
     @triton.jit
     def _slots_used(slot, context_len, prefix_len, num_splits, num_prefix_splits, min_partition,
