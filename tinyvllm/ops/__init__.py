@@ -64,8 +64,9 @@ _KV_HEAD_MAJOR = os.environ.get("TINYVLLM_KV_HEAD_MAJOR", "1") == "1"
 #   lm_head: the LM head with greedy argmax, for steps that sample greedily and need no logits
 # The layers' products run on the GEMV of gemv.py (output-major weights, fetched before the kernel before them ends)
 # where it beat cuBLAS with the separate norm and SiLU kernels: at one row (the tiled kernels of fused_linear.py lost
-# at every M they were measured at). o alone also won at 4 rows, but a step with any product on our kernels runs the
-# norm kernels (forward_stream needs every product on cuBLAS), and the whole step at 4 rows was faster with o on cuBLAS.
+# at every M they were measured at). o's GEMV had also won at 4 rows against cuBLAS and a separate residual add, but a
+# step with any product on our kernels runs the norm kernels (forward_stream needs every product on cuBLAS, where
+# o_proj adds the residual itself), and the whole step at 4 rows was faster with o on cuBLAS.
 # The LM head's argmax kernel wins up to 64 rows. TINYVLLM_DECODE_KERNEL_ROWS overrides entries, to measure another
 # crossover.
 DECODE_KERNEL_MAX_ROWS: dict[str, int] = {"qkv": 1, "o": 1, "gate_up": 1, "down": 1, "lm_head": 64}

@@ -74,11 +74,14 @@ def store_kv_ref(
     v_cache[blocks, offsets] = to_cache_dtype_ref(v[rows], v_cache.dtype)
 
 
-def _rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by each token's position, in float32."""
-    half = x.shape[-1] // 2
-    cos, sin = cos_sin_cache[positions].unsqueeze(1).split(half, dim=-1)
-    x1, x2 = x.float().split(half, dim=-1)
+def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [T, 1, D/2] of each token's position, to rotate all its heads with."""
+    return cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by _cos_sin's (cos, sin), in float32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
@@ -88,7 +91,8 @@ def rotary_embedding_ref(
     """q [T, Hq, D], k [T, Hk, D] rotated by their token's position; returns new (q, k).
 
     With x = (x1, x2) the two halves of a head: out = (x1*cos - x2*sin, x2*cos + x1*sin)."""
-    return (_rotate(q, positions, cos_sin_cache).to(q.dtype), _rotate(k, positions, cos_sin_cache).to(k.dtype))
+    cos, sin = _cos_sin(positions, cos_sin_cache)
+    return _rotate(q, cos, sin).to(q.dtype), _rotate(k, cos, sin).to(k.dtype)
 
 
 def rotary_embedding_and_store_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -132,7 +136,8 @@ def rope_store_ref(qkv: torch.Tensor, rope: RopeStore, norm: RowNorm | None = No
     if norm is not None:
         x = x * row_inv_rms_ref(norm)[:, None]
     qk_cols = (rope.num_q_heads + rope.num_kv_heads) * head_dim
-    qk = _rotate(x[:, :qk_cols].view(num_tokens, -1, head_dim), rope.positions, rope.cos_sin_cache).to(qkv.dtype)
+    qk = _rotate(x[:, :qk_cols].view(num_tokens, -1, head_dim), *_cos_sin(rope.positions, rope.cos_sin_cache))
+    qk = qk.to(qkv.dtype)
     q, k = qk.split([rope.num_q_heads, rope.num_kv_heads], dim=1)
     store_kv_ref(k, x[:, qk_cols:].view(num_tokens, -1, head_dim).to(qkv.dtype), rope.k_cache, rope.v_cache,
                  rope.slot_mapping)
