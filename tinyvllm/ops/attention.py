@@ -103,15 +103,17 @@ def _decode_ref(
     num_seqs, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_blocks = min((meta.max_context_len + block_size - 1) // block_size, meta.block_tables.shape[1])
-    blocks, length = meta.block_tables[:, :num_blocks], num_blocks * block_size
+    blocks, length = meta.block_tables[:, :num_blocks].reshape(-1), num_blocks * block_size
     visible = torch.arange(length, device=q.device) < meta.context_lens[:, None]  # [B, L]
-    keep, zero = visible.view(num_seqs, 1, num_blocks, block_size, 1), q.new_zeros((), dtype=torch.float32)
+    hidden = (~visible).view(-1).nonzero().squeeze(1)  # the gathered rows past each context
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:  # [B, Hkv, L, D] float32, zeros past each context
-        out = torch.empty(num_seqs, num_kv_heads, num_blocks, block_size, head_dim, device=q.device)
-        # slots past the context may hold anything, even NaN; one pass keeps the rest and reorders it
-        torch.where(keep, cache[blocks].permute(0, 3, 1, 2, 4).float(), zero, out=out)
-        return out.view(num_seqs, num_kv_heads, length, head_dim)
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # [B, Hkv, L, D] float32 (a view), zeros past each context
+        # whole blocks in one index_select, then the rows past the context zeroed (they may hold anything, even
+        # NaN, which a masked score still turns into NaN): two passes over rows, where a mask broadcast over
+        # heads and head_dim costs several times more on the CPU
+        rows = cache.index_select(0, blocks).float().view(num_seqs * length, num_kv_heads * head_dim)
+        rows.index_fill_(0, hidden, 0.0)
+        return rows.view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
 
     # the query heads of a KV head are the rows of one attention problem (no K/V repeated per query head)
     query = q.float().view(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
