@@ -76,9 +76,17 @@ def paged_attention_ref(
     out = torch.empty_like(q) if out is None else out
     cu = meta.cu_query_lens.tolist()
     context_lens = meta.context_lens.tolist()
+    decodes = [i for i in range(len(context_lens)) if cu[i + 1] - cu[i] == 1]
+    batched = set(decodes) if len(decodes) > 1 else set()
+    if batched:  # a mixed step's one-token sequences: one call, as in a decode step
+        seqs, rows = torch.tensor(decodes, device=q.device), torch.tensor([cu[i] for i in decodes], device=q.device)
+        rest = AttentionMetadata(torch.arange(len(decodes) + 1, device=q.device), meta.context_lens[seqs],
+                                 meta.block_tables[seqs], meta.slot_mapping[rows], 1,
+                                 max(context_lens[i] for i in decodes))
+        out[rows] = _decode_ref(q[rows], k_cache, v_cache, rest, scale)
     for i, context_len in enumerate(context_lens):
         start, end = cu[i], cu[i + 1]
-        if end == start:
+        if end == start or i in batched:
             continue
         num_blocks = (context_len + block_size - 1) // block_size
         blocks = meta.block_tables[i, :num_blocks].long()
