@@ -66,54 +66,61 @@ def paged_attention_ref(
 ) -> torch.Tensor:
     """q [T, Hq, D] -> out [T, Hq, D]: each new token attends causally to every earlier token of its
     sequence in the cache (its own K/V included, already stored), grouped-query heads sharing KV. `out`: where
-    to write it (a new tensor if None)."""
-    if meta.is_decode and q.shape[0] == meta.num_seqs:
-        result = _decode_ref(q, k_cache, v_cache, meta, scale)
+    to write it (a new tensor if None).
+
+    Sequences go through torch's scaled_dot_product_attention in batches, their queries padded to the longest (the
+    CPU engine's path: there each small op costs more than the arithmetic): a decode step in one call; a mixed step's
+    one-token sequences in one call and its longer ones in another, or one call each where padding would more than
+    double the query rows."""
+    if meta.is_decode and q.shape[0] == meta.num_seqs:  # a decode step (a CUDA graph's padding rows included)
+        result = _attend_last_rows(q[:, None], k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                   meta.max_context_len, scale)[:, 0].nan_to_num(0.0).to(q.dtype)  # context 0: zeros
         return result if out is None else out.copy_(result)
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
-    block_size = k_cache.shape[1]
-    group = num_q_heads // k_cache.shape[2]
     out = torch.empty_like(q) if out is None else out
-    cu = meta.cu_query_lens.tolist()
-    context_lens = meta.context_lens.tolist()
-    decodes = [i for i in range(len(context_lens)) if cu[i + 1] - cu[i] == 1]
-    batched = set(decodes) if len(decodes) > 1 else set()
-    if batched:  # a mixed step's one-token sequences: one call, as in a decode step
-        seqs, rows = torch.tensor(decodes, device=q.device), torch.tensor([cu[i] for i in decodes], device=q.device)
-        rest = AttentionMetadata(torch.arange(len(decodes) + 1, device=q.device), meta.context_lens[seqs],
-                                 meta.block_tables[seqs], meta.slot_mapping[rows], 1,
-                                 max(context_lens[i] for i in decodes))
-        out[rows] = _decode_ref(q[rows], k_cache, v_cache, rest, scale)
-    for i, context_len in enumerate(context_lens):
-        start, end = cu[i], cu[i + 1]
-        if end == start or i in batched:
-            continue
-        num_blocks = (context_len + block_size - 1) // block_size
-        blocks = meta.block_tables[i, :num_blocks].long()
-        k = k_cache[blocks].reshape(-1, k_cache.shape[2], head_dim)[:context_len].float()
-        v = v_cache[blocks].reshape(-1, v_cache.shape[2], head_dim)[:context_len].float()
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        query = q[start:end].float()
-        scores = torch.einsum("qhd,khd->hqk", query, k) * scale
-        query_pos = torch.arange(context_len - (end - start), context_len, device=q.device)
-        causal = query_pos[:, None] >= torch.arange(context_len, device=q.device)[None, :]
-        scores = scores.masked_fill(~causal, float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    cu, context_lens = meta.cu_query_lens.tolist(), meta.context_lens.tolist()
+    query_lens = [end - start for start, end in zip(cu, cu[1:])]
+    for kind in ([i for i, n in enumerate(query_lens) if n == 1], [i for i, n in enumerate(query_lens) if n > 1]):
+        padded_rows = len(kind) * max((query_lens[i] for i in kind), default=0)
+        batches = [kind] if padded_rows <= 2 * sum(query_lens[i] for i in kind) else [[i] for i in kind]
+        for seqs in filter(None, batches):
+            # row j of a sequence's padded query is its token at position context_len - longest + j, so the real
+            # tokens are the last query_len rows; the rows before them repeat its first token (computed, unused)
+            longest = max(query_lens[i] for i in seqs)
+            rows = [max(cu[i + 1] - longest + j, cu[i]) for i in seqs for j in range(longest)]
+            index = torch.tensor(seqs, device=q.device)
+            if rows == list(range(rows[0], rows[0] + len(rows))):  # unpadded, in order: views, no gather
+                query, target = q[rows[0]:rows[0] + len(rows)], out[rows[0]:rows[0] + len(rows)]
+            else:
+                rows = torch.tensor(rows, device=q.device)
+                query, target = q.index_select(0, rows), None
+            result = _attend_last_rows(query.view(len(seqs), longest, *q.shape[1:]), k_cache, v_cache,
+                                       meta.block_tables[index], meta.context_lens[index],
+                                       max(context_lens[i] for i in seqs), scale).flatten(0, 1)
+            if target is not None:
+                target.copy_(result)
+            else:
+                real = torch.tensor([j >= longest - query_lens[i] for i in seqs for j in range(longest)],
+                                    device=q.device)
+                out[rows[real]] = result[real].to(q.dtype)
     return out
 
 
-def _decode_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+def _attend_last_rows(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, max_context_len: int, scale: float,
 ) -> torch.Tensor:
-    """One new token per sequence: the whole batch at once over its padded block tables, in one call of torch's
-    scaled_dot_product_attention (the CPU engine's decode path: there a Python loop over sequences, or each small op
-    of attend_blocks_ref, costs more than the arithmetic)."""
-    num_seqs, num_q_heads, head_dim = q.shape
+    """query [B, Q, Hq, D], the tokens at positions context_len - Q ... context_len - 1 of each sequence -> their
+    attention [B, Q, Hq, D] in float32 (NaN for a position with no key: below 0, or in a sequence of context 0, as a
+    CUDA graph's padding rows), in one call of scaled_dot_product_attention over the sequences' padded block tables."""
+    num_seqs, num_rows, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_blocks = min((meta.max_context_len + block_size - 1) // block_size, meta.block_tables.shape[1])
-    blocks, length = meta.block_tables[:, :num_blocks].reshape(-1), num_blocks * block_size
-    visible = torch.arange(length, device=q.device) < meta.context_lens[:, None]  # [B, L]
-    hidden = (~visible).view(-1).nonzero().squeeze(1)  # the gathered rows past each context
+    group = num_q_heads // num_kv_heads
+    num_blocks = min((max_context_len + block_size - 1) // block_size, block_tables.shape[1])
+    blocks, length = block_tables[:, :num_blocks].reshape(-1), num_blocks * block_size
+    keys = torch.arange(length, device=query.device)
+    hidden = (keys >= context_lens[:, None]).view(-1).nonzero().squeeze(1)  # the gathered rows past each context
+    positions = context_lens[:, None] - num_rows + torch.arange(num_rows, device=query.device)  # [B, Q]
+    causal = keys <= positions[:, :, None]  # [B, Q, L]
 
     def gather(cache: torch.Tensor) -> torch.Tensor:  # [B, Hkv, L, D] float32 (a view), zeros past each context
         # whole blocks in one index_select, then the rows past the context zeroed (they may hold anything, even
@@ -123,11 +130,14 @@ def _decode_ref(
         rows.index_fill_(0, hidden, 0.0)
         return rows.view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
 
-    # the query heads of a KV head are the rows of one attention problem (no K/V repeated per query head)
-    query = q.float().view(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(query, gather(k_cache), gather(v_cache), visible[:, None, None],
-                                         scale=scale)
-    return out.nan_to_num(0.0).reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)  # padding rows (context 0): zeros
+    # the query heads of a KV head are rows of one attention problem (no K/V repeated per query head), ordered
+    # (position, head); a one-row query's mask broadcasts over the heads
+    query = query.float().view(num_seqs, num_rows, num_kv_heads, group, head_dim).transpose(1, 2)
+    query = query.reshape(num_seqs, num_kv_heads, num_rows * group, head_dim)
+    mask = causal if num_rows == 1 else causal.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(query, gather(k_cache), gather(v_cache), mask[:, None], scale=scale)
+    out = out.view(num_seqs, num_kv_heads, num_rows, group, head_dim).transpose(1, 2)
+    return out.reshape(num_seqs, num_rows, num_q_heads, head_dim)
 
 
 def attend_blocks_ref(
