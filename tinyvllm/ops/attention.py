@@ -110,32 +110,40 @@ def _attend_last_rows(
     context_lens: torch.Tensor, max_context_len: int, scale: float,
 ) -> torch.Tensor:
     """query [B, Q, Hq, D], the tokens at positions context_len - Q ... context_len - 1 of each sequence -> their
-    attention [B, Q, Hq, D] in float32 (NaN for a position with no key: below 0, or in a sequence of context 0, as a
-    CUDA graph's padding rows), in one call of scaled_dot_product_attention over the sequences' padded block tables."""
+    attention [B, Q, Hq, D] in float32, in one call of scaled_dot_product_attention over the sequences' padded block
+    tables. A position with no key (below 0, or in a sequence of context 0 as a CUDA graph's padding rows) gets NaN or
+    zeros: the callers drop or zero it."""
     num_seqs, num_rows, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    num_blocks = min((max_context_len + block_size - 1) // block_size, block_tables.shape[1])
-    blocks, length = block_tables[:, :num_blocks].reshape(-1), num_blocks * block_size
-    keys = torch.arange(length, device=query.device)
-    hidden = (keys >= context_lens[:, None]).view(-1).nonzero().squeeze(1)  # the gathered rows past each context
-    positions = context_lens[:, None] - num_rows + torch.arange(num_rows, device=query.device)  # [B, Q]
-    causal = keys <= positions[:, :, None]  # [B, Q, L]
+    if num_seqs == 1:  # its keys are a slice of its blocks: nothing past its context to zero or mask
+        length = int(context_lens[0])
+        blocks, hidden = block_tables[0, :(length + block_size - 1) // block_size], None
+    else:
+        num_blocks = min((max_context_len + block_size - 1) // block_size, block_tables.shape[1])
+        blocks, length = block_tables[:, :num_blocks].reshape(-1), num_blocks * block_size
+        # the gathered rows past each context: they may hold anything, even NaN, which a masked score still
+        # turns into NaN
+        hidden = (torch.arange(length, device=query.device) >= context_lens[:, None]).view(-1).nonzero().squeeze(1)
 
     def gather(cache: torch.Tensor) -> torch.Tensor:  # [B, Hkv, L, D] float32 (a view), zeros past each context
-        # whole blocks in one index_select, then the rows past the context zeroed (they may hold anything, even
-        # NaN, which a masked score still turns into NaN): two passes over rows, where a mask broadcast over
-        # heads and head_dim costs several times more on the CPU
-        rows = cache.index_select(0, blocks).float().view(num_seqs * length, num_kv_heads * head_dim)
-        rows.index_fill_(0, hidden, 0.0)
+        rows = cache.index_select(0, blocks).float()  # whole blocks in one call
+        if hidden is None:
+            return rows.flatten(0, 1)[:length].transpose(0, 1)[None]
+        # zeroed by rows: a mask broadcast over heads and head_dim costs several times more on the CPU
+        rows = rows.view(num_seqs * length, num_kv_heads * head_dim).index_fill_(0, hidden, 0.0)
         return rows.view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
 
-    # the query heads of a KV head are rows of one attention problem (no K/V repeated per query head), ordered
-    # (position, head); a one-row query's mask broadcasts over the heads
+    mask = None  # one sequence's one new token sees every key
+    if num_seqs > 1 or num_rows > 1:
+        positions = context_lens[:, None] - num_rows + torch.arange(num_rows, device=query.device)  # [B, Q]
+        causal = torch.arange(length, device=query.device) <= positions[:, :, None]  # [B, Q, L]
+        # rows ordered (position, head), below; a one-row query's mask broadcasts over the heads
+        mask = (causal if num_rows == 1 else causal.repeat_interleave(group, dim=1))[:, None]
+    # the query heads of a KV head are rows of one attention problem (no K/V repeated per query head)
     query = query.float().view(num_seqs, num_rows, num_kv_heads, group, head_dim).transpose(1, 2)
     query = query.reshape(num_seqs, num_kv_heads, num_rows * group, head_dim)
-    mask = causal if num_rows == 1 else causal.repeat_interleave(group, dim=1)
-    out = F.scaled_dot_product_attention(query, gather(k_cache), gather(v_cache), mask[:, None], scale=scale)
+    out = F.scaled_dot_product_attention(query, gather(k_cache), gather(v_cache), mask, scale=scale)
     out = out.view(num_seqs, num_kv_heads, num_rows, group, head_dim).transpose(1, 2)
     return out.reshape(num_seqs, num_rows, num_q_heads, head_dim)
 
