@@ -427,6 +427,40 @@ def test_paged_prefill(shape: tuple, batch: str, config: tuple[int, int, int, in
     _close(out, expected)
 
 
+# paged_attention_ref's batching (the CPU engine's path): one call for a decode step (here with a CUDA graph's
+# padding row, context 0), one-token and longer sequences apart in a mixed step, prompts padded to the longest, or one
+# call each where padding would more than double the rows ("imbalanced"), a lone sequence without padding or mask
+_REF_BATCHES = {
+    **_PREFILL_BATCHES,
+    "decode": ([1, 1, 1, 1], [9, 40, 0, 17]),
+    "imbalanced": ([40, 3, 2, 1, 1], [40, 30, 2, 8, 50]),
+    "one-prompt": ([23], [23]),
+    "one-decode": ([1], [33]),
+}
+
+
+@pytest.mark.parametrize("batch", list(_REF_BATCHES))
+def test_paged_attention_ref_equals_each_sequence_alone(batch: str) -> None:
+    """Against each sequence's causal attention in float64 over its own keys, read position by position."""
+    query_lens, context_lens = _REF_BATCHES[batch]
+    q, k_cache, v_cache, meta = _paged_batch(query_lens, context_lens, 6, 2, 32, 16, torch.float32)
+    out = paged_attention_ref(q, k_cache, v_cache, meta, 0.2)
+    cu = meta.cu_query_lens.tolist()
+    for i, (query_len, context_len) in enumerate(zip(query_lens, context_lens)):
+        rows = out[cu[i]:cu[i + 1]]
+        if context_len == 0:
+            assert rows.eq(0).all()
+            continue
+        slots = [(int(meta.block_tables[i, j // 16]), j % 16) for j in range(context_len)]
+        k = torch.stack([k_cache[b, o] for b, o in slots]).double().repeat_interleave(3, dim=1)  # [L, Hq, D]
+        v = torch.stack([v_cache[b, o] for b, o in slots]).double().repeat_interleave(3, dim=1)
+        scores = torch.einsum("qhd,lhd->hql", q[cu[i]:cu[i + 1]].double(), k) * 0.2
+        positions = torch.arange(context_len - query_len, context_len)
+        scores = scores.masked_fill(torch.arange(context_len)[None, None, :] > positions[None, :, None], float("-inf"))
+        expected = torch.einsum("hql,lhd->qhd", scores.softmax(-1), v)
+        torch.testing.assert_close(rows.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 # kv_cache_dtype="fp8": the kernels read the float8 cache as the query's dtype (exact: every e4m3 value is one of
 # float16's, bfloat16's and float32's; a bfloat16 query is multiplied as float16, attention._query_for), the
 # reference as float32, so they agree as closely as with a cache of the query's dtype. Unowned slots stay NaN
