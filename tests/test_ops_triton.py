@@ -4,7 +4,9 @@ Outputs the kernels allocate are poisoned with NaN (or -1 for integers), so an u
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from tests.utils import assert_bf16_attention_close  # noqa: E402
+from tinyvllm.ops import attention  # noqa: E402
 from tinyvllm.ops.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from tinyvllm.ops.attention import (  # noqa: E402
     AttentionMetadata,
@@ -425,6 +428,38 @@ def test_paged_prefill(shape: tuple, batch: str, config: tuple[int, int, int, in
     else:
         out = paged_prefill_triton(q, k_cache, v_cache, meta, scale, config=config)
     _close(out, expected)
+
+
+# A mixed step as the model runner orders it: its one-token sequences first (AttentionMetadata.num_decodes), which
+# paged_attention_triton sends to the decode kernel, then the others (an idle one among them) for the prefill kernel
+_DECODES_FIRST = ([1, 1, 1, 12, 0, 7], [25, 1, 40, 30, 10, 7])
+
+
+@pytest.mark.parametrize("shape", _ATTENTION_SHAPES + [(8, 2, 64, 16, FP8)],
+                         ids=lambda s: f"{s[0]}q{s[1]}kv-d{s[2]}-bs{s[3]}-{s[4]}")
+def test_mixed_step_sends_its_decodes_to_the_decode_kernel(shape: tuple, monkeypatch: pytest.MonkeyPatch,
+                                                            fp8_casts_as_on_the_gpu: None) -> None:
+    if shape[4] == FP8:
+        q, k_cache, v_cache, meta = _fp8_paged_batch(*_DECODES_FIRST, (*shape[:4], torch.bfloat16))
+    else:
+        q, k_cache, v_cache, meta = _paged_batch(*_DECODES_FIRST, *shape)
+    scale = shape[2] ** -0.5
+    expected = paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    calls: list[tuple[str, int]] = []
+
+    def counted(name: str) -> Callable[..., torch.Tensor]:
+        kernel = getattr(attention, name)
+
+        def run(*args: object, **kwargs: object) -> torch.Tensor:
+            calls.append((name, args[3].num_seqs))  # (its metadata: which sequences it took)
+            return kernel(*args, **kwargs)
+        return run
+
+    for name in ("paged_decode_triton", "paged_prefill_triton"):
+        monkeypatch.setattr(attention, name, counted(name))
+    out = paged_attention_triton(q, k_cache, v_cache, dataclasses.replace(meta, num_decodes=3), scale)
+    assert calls == [("paged_decode_triton", 3), ("paged_prefill_triton", 3)]
+    _close_fp8_attention(out, expected)
 
 
 # paged_attention_ref's batching (the CPU engine's path): one call for a decode step (here with a CUDA graph's

@@ -138,12 +138,15 @@ def captured(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
 
 def case_batch(spec: dict, build: Callable[..., tuple]) -> tuple:
     """build(**spec)'s batch (q, k_cache, v_cache, meta); a "max_context_len" in spec is set on meta afterwards,
-    as a CUDA graph captured for longer contexts launches."""
+    as a CUDA graph captured for longer contexts launches, and a "num_decodes" too (a mixed step whose one-token
+    sequences come first, as the model runner orders them)."""
     spec = dict(spec)
     max_context_len = spec.pop("max_context_len", None)
+    num_decodes = spec.pop("num_decodes", 0)
     batch = build(**spec)
     if max_context_len is not None:
         batch[3].max_context_len = max_context_len
+    batch[3].num_decodes = num_decodes
     return batch
 
 
@@ -333,6 +336,14 @@ def mixed_batch() -> dict:
     return dict(query_lens=query_lens, context_lens=context_lens)
 
 
+def mixed_decodes_first() -> dict:
+    """A mixed step as the runner orders it: 200 decodes first (to the decode kernel), then an idle sequence and
+    4 prefill chunks (to the prefill kernel)."""
+    spec = mixed_batch()
+    query_lens = [1] * 184 + spec["query_lens"]
+    return dict(query_lens=query_lens, context_lens=rand_lens(184, 1, 3000) + spec["context_lens"], num_decodes=200)
+
+
 def decode_64() -> dict:
     contexts = rand_lens(64, 1, 8192)
     contexts[0] = 8192
@@ -345,6 +356,7 @@ ATTENTION_CASES: dict[str, Callable[[], dict]] = {
     "8 prompts <=2048": eight_prompts,
     "8 chunks <=512 on prefixes <=4096": eight_chunks,
     "mixed 16 decodes + idle + 4 chunks": mixed_batch,
+    "mixed 200 decodes first + idle + 4 chunks": mixed_decodes_first,
     # head_dim 128 (Llama-3-8B shape) and a GQA group of 3 (SmolLM2: 9 query / 3 KV heads)
     "d128 4 prompts": lambda: dict(query_lens=[700, 64, 1, 300], context_lens=[700, 64, 1, 1300], head_dim=128),
     "9q-3kv 3 chunks": lambda: dict(query_lens=[257, 31, 1], context_lens=[1000, 31, 2000], num_q_heads=9,
@@ -375,7 +387,7 @@ def test_paged_attention(dtype: torch.dtype, case: str) -> None:
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, scale)
-    path = "decode" if meta.is_decode else "prefill"
+    path = "decode" if meta.is_decode else "decode + prefill" if meta.num_decodes else "prefill"
     assert_close(f"attention ({path} path) {case}, {q.shape[0]} tokens, {short(dtype)} "
                  f"({elapsed * 1e3:.0f} ms first call)", out, ref, dtype)
 
@@ -912,7 +924,7 @@ def test_paged_attention_fp8_cache(case: str) -> None:
     scale = q.shape[-1] ** -0.5
     out = poisoned(paged_attention_triton, q, k_cache, v_cache, meta, scale)
     ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, scale)
-    path = "decode" if meta.is_decode else "prefill"
+    path = "decode" if meta.is_decode else "decode + prefill" if meta.num_decodes else "prefill"
     assert_close(f"attention ({path} path) {case}, fp8 cache", out, ref, dtype)
 
 

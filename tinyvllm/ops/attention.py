@@ -39,10 +39,25 @@ class AttentionMetadata:
     # token this step are in the same blocks (block_tables[0]'s), whole blocks, all short of the sequence's
     # newest token. Set, ops.paged_attention reads that prefix once for all of them (cascade_attention.py).
     common_prefix_len: torch.Tensor | None = None
+    # Mixed steps only: the first num_decodes sequences add one token each (the runner puts them first). The
+    # Triton path sends them to the flash-decoding kernel and only the others to the prefill kernel, whose
+    # 128-row tiles would hold 4 real rows for each of them (benchmarks/RESULTS.md).
+    num_decodes: int = 0
 
     @property
     def num_seqs(self) -> int:
         return self.context_lens.shape[0]
+
+    def first_seqs(self, count: int) -> AttentionMetadata:
+        """The metadata of sequences [0, count) alone: cu_query_lens stays absolute (the kernels index q and
+        out by it), and max_context_len stays the batch's (an upper bound; it only sizes the decode splits)."""
+        return AttentionMetadata(self.cu_query_lens[: count + 1], self.context_lens[:count], self.block_tables[:count],
+                                 self.slot_mapping, 1, self.max_context_len)
+
+    def last_seqs(self, start: int) -> AttentionMetadata:
+        """The metadata of sequences [start, num_seqs), with absolute cu_query_lens as first_seqs."""
+        return AttentionMetadata(self.cu_query_lens[start:], self.context_lens[start:], self.block_tables[start:],
+                                 self.slot_mapping, self.max_query_len, self.max_context_len)
 
     @property
     def is_decode(self) -> bool:
@@ -744,7 +759,12 @@ def paged_attention_triton(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton kernels of paged_attention_ref: flash-decoding when every sequence adds one token,
-    FlashAttention-2 over the paged cache otherwise. Grids depend on Python ints only (no host syncs)."""
+    FlashAttention-2 over the paged cache otherwise (a mixed step's first meta.num_decodes sequences through
+    flash-decoding). Grids depend on Python ints only (no host syncs)."""
     if meta.is_decode:
         return paged_decode_triton(q, k_cache, v_cache, meta, scale, out=out)
-    return paged_prefill_triton(q, k_cache, v_cache, meta, scale, out=out)
+    if meta.num_decodes == 0:
+        return paged_prefill_triton(q, k_cache, v_cache, meta, scale, out=out)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    paged_decode_triton(q, k_cache, v_cache, meta.first_seqs(meta.num_decodes), scale, out=out)
+    return paged_prefill_triton(q, k_cache, v_cache, meta.last_seqs(meta.num_decodes), scale, out=out)

@@ -148,11 +148,17 @@ class ModelRunner:
         (async scheduling) is taken from that step's output on the device."""
         self._update_states(step)
         batch, bs = self.input_batch, self.block_size
-        n = len(step.seq_ids)
-        row_of = batch.row_of
-        rows = np.fromiter((row_of[i] for i in step.seq_ids), dtype=np.int64, count=n)
-        starts = batch.num_computed[rows]
+        seq_ids, n = step.seq_ids, len(step.seq_ids)
         num_new = np.array(step.num_new_tokens, dtype=np.int64)
+        # A mixed step runs its one-token sequences first: attention sends them to the decode kernel as a block
+        # (AttentionMetadata.num_decodes). Outputs name their sequences, so the order is the runner's own.
+        num_decodes = int(np.count_nonzero(num_new == 1))
+        if 0 < num_decodes < n and not (num_new[:num_decodes] == 1).all():
+            order = np.argsort(num_new > 1, kind="stable")
+            seq_ids, num_new = [seq_ids[i] for i in order.tolist()], num_new[order]
+        row_of = batch.row_of
+        rows = np.fromiter((row_of[i] for i in seq_ids), dtype=np.int64, count=n)
+        starts = batch.num_computed[rows]
         ends = starts + num_new
         batch.num_computed[rows] = ends
         cu = np.zeros(n + 1, dtype=np.int64)
@@ -191,7 +197,7 @@ class ModelRunner:
             if total > n and not self._runs_in_graphs(total):
                 padded = padded_num_tokens(total, self.config.max_num_batched_tokens)
         sample_rows = rows[sampled]
-        sampled_seq_ids = step.seq_ids if len(sampled) == n else [step.seq_ids[i] for i in sampled.tolist()]
+        sampled_seq_ids = seq_ids if len(sampled) == n else [seq_ids[i] for i in sampled.tolist()]
         graphs = self.cuda_graphs
         graph_size = graphs.batch_size(n) if graphs is not None and total == n and graphs.fits(n) else None
         # The model's fields, then only when the step needs them (each costs host time on a slow CPU) the places
@@ -232,12 +238,13 @@ class ModelRunner:
         if pending:
             t["input_ids"][t["pending_dst"]] = prev.token_ids[t["pending_src"]]
         max_query_len, max_context_len = int(num_new.max()), int(ends.max())
+        num_decodes = num_decodes if total > n else 0
         if self.tp.size > 1:
-            broadcast_step(buffer, layout, max_query_len, max_context_len, self.tp)
+            broadcast_step(buffer, layout, max_query_len, max_context_len, num_decodes, self.tp)
         meta = AttentionMetadata(cu_query_lens=t["cu_query_lens"], context_lens=t["context_lens"],
                                  block_tables=t["block_tables"], slot_mapping=t["slot_mapping"],
                                  max_query_len=max_query_len, max_context_len=max_context_len,
-                                 common_prefix_len=t.get("common_prefix_len"))
+                                 common_prefix_len=t.get("common_prefix_len"), num_decodes=num_decodes)
         sampling = hints if hints.all_greedy else hints.with_tensors(t["temperature"], t["top_k"], t["top_p"],
                                                                       t["min_p"], t["seeds"])
         return ModelInput(t["input_ids"], t["positions"], meta, t["logits_indices"], sample_rows, sampled_seq_ids,
@@ -335,9 +342,10 @@ class ModelRunner:
         """Ranks 1..N-1: run every step rank 0 broadcasts (the forward pass and this rank's share of the
         logits, whose collectives pair with rank 0's), until it says stop."""
         while (received := receive_step(self.tp, self.device)) is not None:
-            t, max_query_len, max_context_len = received
+            t, max_query_len, max_context_len, num_decodes = received
             meta = AttentionMetadata(t["cu_query_lens"], t["context_lens"], t["block_tables"], t["slot_mapping"],
-                                     max_query_len, max_context_len, common_prefix_len=t.get("common_prefix_len"))
+                                     max_query_len, max_context_len, common_prefix_len=t.get("common_prefix_len"),
+                                     num_decodes=num_decodes)
             hidden = self.model(t["input_ids"], t["positions"], meta)
             if t["logits_indices"].numel():
                 self.model.compute_logits(hidden[t["logits_indices"]])

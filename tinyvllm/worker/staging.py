@@ -115,9 +115,9 @@ _FIELDS_PER_ARRAY = 6  # field index, offset, dtype code, ndim, and two dimensio
 
 
 def broadcast_step(buffer: torch.Tensor, layout: Layout, max_query_len: int, max_context_len: int,
-                   tp: TensorParallel) -> None:
-    """Rank 0: send a step's packed inputs to the other ranks."""
-    fields = [_STEP, buffer.numel(), max_query_len, max_context_len, len(layout)]
+                   num_decodes: int, tp: TensorParallel) -> None:
+    """Rank 0: send a step's packed inputs and its attention's Python ints to the other ranks."""
+    fields = [_STEP, buffer.numel(), max_query_len, max_context_len, num_decodes, len(layout)]
     for index, offset, code, shape in layout:
         fields += [index, offset, code, len(shape), *shape, *[0] * (2 - len(shape))]
     header = torch.zeros(_HEADER_SIZE, dtype=torch.int64)
@@ -133,18 +133,19 @@ def broadcast_stop(tp: TensorParallel, device: torch.device) -> None:
     dist.broadcast(header, src=0, group=tp.group)
 
 
-def receive_step(tp: TensorParallel, device: torch.device) -> tuple[dict[str, torch.Tensor], int, int] | None:
-    """Ranks 1..N-1: the next step's named inputs and its two maxima, or None when rank 0 says stop."""
+def receive_step(tp: TensorParallel, device: torch.device) -> tuple[dict[str, torch.Tensor], int, int, int] | None:
+    """Ranks 1..N-1: the next step's named inputs, its two maxima and its count of leading one-token sequences
+    (AttentionMetadata's ints), or None when rank 0 says stop."""
     header = torch.empty(_HEADER_SIZE, dtype=torch.int64, device=device)
     dist.broadcast(header, src=0, group=tp.group)
     fields = header.tolist()
     if fields[0] == _STOP:
         return None
-    total, max_query_len, max_context_len, num_arrays = fields[1:5]
+    total, max_query_len, max_context_len, num_decodes, num_arrays = fields[1:6]
     layout = []
     for i in range(num_arrays):
-        index, offset, code, ndim, *shape = fields[5 + _FIELDS_PER_ARRAY * i:5 + _FIELDS_PER_ARRAY * (i + 1)]
+        index, offset, code, ndim, *shape = fields[6 + _FIELDS_PER_ARRAY * i:6 + _FIELDS_PER_ARRAY * (i + 1)]
         layout.append((index, offset, code, tuple(shape[:ndim])))
     buffer = torch.empty(total, dtype=torch.uint8, device=device)
     dist.broadcast(buffer, src=0, group=tp.group)
-    return views(buffer, layout), max_query_len, max_context_len
+    return views(buffer, layout), max_query_len, max_context_len, num_decodes
