@@ -153,7 +153,9 @@ class ModelRunner:
         # A mixed step runs its one-token sequences first: attention sends them to the decode kernel as a block
         # (AttentionMetadata.num_decodes). Outputs name their sequences, so the order is the runner's own.
         num_decodes = int(np.count_nonzero(num_new == 1))
-        if 0 < num_decodes < n and not (num_new[:num_decodes] == 1).all():
+        if num_decodes == n:  # a decode step: its kernel takes them all
+            num_decodes = 0
+        elif num_decodes and not (num_new[:num_decodes] == 1).all():
             order = np.argsort(num_new > 1, kind="stable")
             seq_ids, num_new = [seq_ids[i] for i in order.tolist()], num_new[order]
         row_of = batch.row_of
@@ -238,7 +240,6 @@ class ModelRunner:
         if pending:
             t["input_ids"][t["pending_dst"]] = prev.token_ids[t["pending_src"]]
         max_query_len, max_context_len = int(num_new.max()), int(ends.max())
-        num_decodes = num_decodes if total > n else 0
         if self.tp.size > 1:
             broadcast_step(buffer, layout, max_query_len, max_context_len, num_decodes, self.tp)
         meta = AttentionMetadata(cu_query_lens=t["cu_query_lens"], context_lens=t["context_lens"],
