@@ -40,8 +40,8 @@ class AttentionMetadata:
     # newest token. Set, ops.paged_attention reads that prefix once for all of them (cascade_attention.py).
     common_prefix_len: torch.Tensor | None = None
     # Mixed steps only: the first num_decodes sequences add one token each (the runner puts them first). The
-    # Triton path sends them to the flash-decoding kernel and only the others to the prefill kernel, whose
-    # 128-row tiles would hold 4 real rows for each of them (benchmarks/RESULTS.md).
+    # Triton path sends them to the flash-decoding kernel and only the others to the prefill kernel, whose tiles
+    # of query rows would hold one GQA group's rows for each of them (benchmarks/RESULTS.md).
     num_decodes: int = 0
 
     @property
