@@ -20,6 +20,23 @@ from tinyvllm import LLM, SamplingParams
     (dict(min_p=2.0), "min_p"),
     (dict(logprobs=-1), "logprobs"),
     (dict(stop=[""]), "stop"),
+    # what cannot fit the engine's dtypes, or costs out of proportion (issue: no request may kill the server)
+    (dict(top_k=2**63), "top_k"),
+    (dict(top_k=True), "top_k"),
+    (dict(n=1.5), "n must be"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(presence_penalty=float("nan")), "presence_penalty"),
+    (dict(seed=2**63), "seed"),
+    (dict(seed=-2**63 - 1), "seed"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(max_tokens=2.0), "max_tokens"),
+    (dict(stop=["x"] * 65), "stop has 65"),
+    (dict(stop="x" * 1025), "stop strings"),
+    (dict(stop_token_ids=[1.0]), "stop_token_ids"),
+    (dict(stop_token_ids=list(range(1025))), "stop_token_ids has"),
 ])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -48,6 +65,24 @@ def test_bad_prompts_then_a_good_request(tiny_text_llm, prompt, params, message)
     with pytest.raises(ValueError, match=message):
         tiny_text_llm.generate([prompt], params, use_tqdm=False)
     good_request_works(tiny_text_llm)
+
+
+@pytest.mark.parametrize("params,message", [
+    (SamplingParams(n=129), "at most 128 completions"),
+    (SamplingParams(stop_token_ids=[49152]), "token ids must be in"),
+    (SamplingParams(stop_token_ids=[-1]), "token ids must be in"),
+    (SamplingParams(max_tokens=None, min_tokens=600), "lower min_tokens"),
+])
+def test_bounds_the_model_sets(tiny_text_llm, params, message):
+    """What depends on the engine (its max_n, the vocabulary, the context) is the input processor's to check."""
+    with pytest.raises(ValueError, match=message):
+        tiny_text_llm.generate(["Hello"], params, use_tqdm=False)
+    good_request_works(tiny_text_llm)
+
+
+def test_tiny_temperature_is_greedy():
+    """Below vLLM's 1e-5 a temperature samples as greedy: dividing logits by it would overflow float32."""
+    assert SamplingParams(temperature=1e-300).greedy and not SamplingParams(temperature=1e-4).greedy
 
 
 def test_one_bad_prompt_in_a_batch_leaves_nothing_behind(tiny_text_llm):

@@ -268,6 +268,8 @@ class EngineConfig:
     skip_tokenizer_init: bool = _arg(False, "load no tokenizer (a random-weight model has none): prompts and outputs "
                                             "are token ids")
     seed: int = _arg(0, "seed of the draws of requests that give none")
+    max_n: int = _arg(128, "most completions one request may ask for (n, best_of): one request's sequences share "
+                           "the engine with everyone else's (OpenAI's limit is 128)")
 
     def __post_init__(self) -> None:
         if self.scheduling not in ("continuous", "static"):
@@ -276,6 +278,8 @@ class EngineConfig:
             raise ConfigError(f"block_size must be a power of two, not {self.block_size}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be at least 1, not {self.max_num_seqs}")
+        if not isinstance(self.max_n, int) or self.max_n < 1:
+            raise ConfigError(f"max_n must be a positive integer, not {self.max_n!r}")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be at least 1, not {self.max_num_batched_tokens}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

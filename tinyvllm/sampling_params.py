@@ -2,13 +2,36 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Bounds of what one request may ask for, beyond those the model sets (vocabulary, context: the input
+# processor checks those). Each keeps one request from costing the engine out of proportion to its answer:
+# stop strings are searched in the text at every token, and the text just before the end is held back while
+# it could still become the start of one.
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs, OpenAI's top_logprobs limit
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_TOP_K = 2**31 - 1  # the sampling kernels index the vocabulary with int32
+FLOAT32_MAX = 3.4028234663852886e38
+# A temperature below this samples as greedy (vLLM's _SAMPLING_EPS): dividing logits by it overflows float32.
+MIN_TEMPERATURE = 1e-5
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
 class SamplingParams:
     """temperature=0 is greedy. Every field is checked on construction so that a bad request fails
-    before it reaches the engine."""
+    before it reaches the engine; what depends on the model (token ids, the context, the engine's max_n) is
+    the input processor's to check."""
 
     n: int = 1
     temperature: float = 1.0
@@ -34,33 +57,45 @@ class SamplingParams:
             if not ok:
                 raise ValueError(message)
 
-        require(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
-        require(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
-        require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        require(isinstance(self.top_k, int) and self.top_k >= -1,
-                f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}")
-        require(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
-        require(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+        require(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        require(_is_number(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX,
+                f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        require(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        require(_is_int(self.top_k) and -1 <= self.top_k <= MAX_TOP_K,
+                f"top_k must be -1 (disabled), 0 (disabled) or an integer in [1, {MAX_TOP_K}], got {self.top_k!r}")
+        require(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                 f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        require(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+        require(_is_int(self.min_tokens) and self.min_tokens >= 0,
                 f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         require(self.max_tokens is None or self.min_tokens <= self.max_tokens,
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        require(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-                f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
-        require(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        require(-2 <= self.frequency_penalty <= 2,
-                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        require(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        require(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        require(all(isinstance(s, str) and s for s in stops), "stop strings must be non-empty strings")
+        require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        require(_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
+        require(_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
+        require(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= FLOAT32_MAX,
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        require(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**63),
+                f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        require(stops is None or isinstance(stops, (list, tuple)), "stop must be a string or a list of strings")
+        stops = list(stops or [])
+        require(len(stops) <= MAX_STOP_STRINGS, f"stop has {len(stops)} strings: at most {MAX_STOP_STRINGS}")
+        require(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in stops),
+                f"stop strings must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
         self._stop_strings = stops
-        require(all(isinstance(t, int) for t in self.stop_token_ids or []), "stop_token_ids must be integers")
+        stop_ids = self.stop_token_ids
+        require(stop_ids is None or (isinstance(stop_ids, (list, tuple)) and all(_is_int(t) for t in stop_ids)),
+                "stop_token_ids must be a list of integers")
+        require(len(stop_ids or ()) <= MAX_STOP_TOKEN_IDS,
+                f"stop_token_ids has {len(stop_ids or ())} ids: at most {MAX_STOP_TOKEN_IDS}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     @property
     def stop_strings(self) -> list[str]:

@@ -36,11 +36,13 @@ class ProcessedInput:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, kv_capacity_tokens: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, kv_capacity_tokens: int,
+                 max_n: int = 128) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.kv_capacity_tokens = kv_capacity_tokens
+        self.max_n = max_n
 
     def need_tokenizer(self, what: str) -> Any:
         if self.tokenizer is None:
@@ -61,8 +63,11 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise InputError("the prompt is empty", "prompt")
-            token_ids = list(self.need_tokenizer("a text prompt").encode(prompt,
-                                                                        add_special_tokens=add_special_tokens))
+            tokenizer = self.need_tokenizer("a text prompt")
+            try:
+                token_ids = list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+            except (TypeError, UnicodeError) as e:  # (a lone surrogate: not Unicode text)
+                raise InputError(f"the prompt is not valid Unicode text: {e}", "prompt") from None
             if not token_ids:
                 raise InputError("the prompt encodes to no tokens", "prompt")
             return prompt, token_ids
@@ -123,31 +128,9 @@ class InputProcessor:
     def apply_chat_template(self, conversation: list[Message], add_generation_prompt: bool = True,
                             chat_template: str | None = None) -> list[int]:
         """A conversation ({"role", "content"} messages; content a string or a list of text parts) as the
-        token ids of the model's chat template."""
-        tokenizer = self.need_tokenizer("a chat conversation")
-        if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise InputError("this model has no chat template: send a plain prompt, or give a chat_template",
-                             "messages")
-        if not conversation:
-            raise InputError("messages must not be empty", "messages")
-        messages = []
-        for message in conversation:
-            content = message.get("content")
-            if isinstance(content, list):
-                parts = []
-                for part in content:
-                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"),
-                                                                                                   str):
-                        raise InputError("only text content parts are supported", "messages")
-                    parts.append(part["text"])
-                content = "\n".join(parts)
-            messages.append({**message, "content": content or ""})
-        try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                tokenize=True, chat_template=chat_template)
-        except Exception as e:  # jinja2 errors: a template, or messages the template refuses
-            raise InputError(f"cannot apply the chat template: {e}", "messages") from e
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        token ids of the model's chat template (or of `chat_template`)."""
+        return apply_chat_template(self.need_tokenizer("a chat conversation"), conversation, add_generation_prompt,
+                                   chat_template)
 
     # ---- whole requests ---------------------------------------------------------------------------
     def process(self, prompt: PromptType, params: SamplingParams, decode_prompt: bool = True) -> ProcessedInput:
@@ -155,10 +138,19 @@ class InputProcessor:
         give a prompt of token ids its text too (as RequestOutput.prompt), when there is a tokenizer."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
+        if params.n > self.max_n:
+            raise InputError(f"n is {params.n}: this engine gives one request at most {self.max_n} completions "
+                             "(its max_n)", "n")
+        if params.stop_token_ids:
+            self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         text, token_ids = self.tokenize(prompt)
         if self.tokenizer is None and params.stop_strings:
             raise InputError("stop strings need a tokenizer, and this engine runs with skip_tokenizer_init", "stop")
         max_tokens = self.check_length(len(token_ids), params.max_tokens)
+        if params.min_tokens > max_tokens:
+            raise InputError(f"min_tokens is {params.min_tokens}, but the prompt's {len(token_ids)} tokens leave room "
+                             f"for {max_tokens} within the model's context of {self.max_model_len}: lower min_tokens",
+                             "min_tokens")
         if params.max_tokens is None:
             fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
             params = SamplingParams(**{**fields, "max_tokens": max_tokens})
@@ -184,3 +176,34 @@ class InputProcessor:
                              f"cache holds {self.kv_capacity_tokens}: lower max_tokens or give the cache more memory",
                              "max_tokens")
         return max_tokens
+
+
+def apply_chat_template(tokenizer: Any, conversation: list[Message], add_generation_prompt: bool = True,
+                        chat_template: str | None = None) -> list[int]:
+    """InputProcessor.apply_chat_template's work, for a tokenizer (also run apart, in a process of its own, by the
+    server for a request's own template: entrypoints/openai/chat_template.py)."""
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise InputError("this model has no chat template: send a plain prompt, or give a chat_template",
+                         "messages")
+    if not conversation:
+        raise InputError("messages must not be empty", "messages")
+    messages = []
+    for message in conversation:
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"),
+                                                                                               str):
+                    raise InputError("only text content parts are supported", "messages")
+                parts.append(part["text"])
+            content = "\n".join(parts)
+        messages.append({**message, "content": content or ""})
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                            tokenize=True, chat_template=chat_template)
+    except MemoryError:
+        raise
+    except Exception as e:  # jinja2 errors: a template, or messages the template refuses
+        raise InputError(f"cannot apply the chat template: {e or type(e).__name__}", "messages") from e
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

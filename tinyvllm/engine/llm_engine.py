@@ -75,7 +75,7 @@ class LLMEngine:
         else:
             self.engine_core = EngineCore(config, *setup.core_args())
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
-                                              self.engine_core.kv_capacity_tokens)
+                                              self.engine_core.kv_capacity_tokens, config.max_n)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def shutdown(self) -> None:
