@@ -1,6 +1,7 @@
 """The engine core process's side of its connections (core_client._CoreServer), over real pipes with a stand-in
 core: each API process gets its own requests' tokens and nothing of the others', everyone hears when the core
-goes idle, nothing is kept of finished requests, and one API process going away leaves the others served."""
+goes idle, nothing is kept of finished requests, one API process going away leaves the others served, and a
+request the core fails on fails alone, reported to the API process that sent it."""
 
 import multiprocessing
 import threading
@@ -15,16 +16,23 @@ class StandInCore:
 
     def __init__(self) -> None:
         self.requests: dict[str, int] = {}
+        self.errors: dict[str, str] = {}
         self.steps = 0
 
     def get_stats(self) -> dict[str, float]:
         return {"num_requests_running": float(len(self.requests)), "steps": float(self.steps)}
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self.errors)
 
     def add_request(self, request_id: str, prompt: list[int], params: int) -> None:
+        if params < 0:
+            raise ValueError("a request the stand-in cannot take")
         self.requests[request_id] = params
+
+    def fail_request(self, request_id: str, message: str) -> None:
+        self.requests.pop(request_id, None)
+        self.errors[request_id] = message
 
     def abort_request(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -35,7 +43,7 @@ class StandInCore:
     def step(self) -> EngineCoreOutputs:
         time.sleep(0.002)
         self.steps += 1
-        out = EngineCoreOutputs()
+        out, self.errors = EngineCoreOutputs(errors=self.errors), {}
         for request_id in list(self.requests):
             entry = out.add(request_id, 0, self.steps)
             self.requests[request_id] -= 1
@@ -58,8 +66,10 @@ def start(*commands: list[tuple]) -> tuple[_CoreServer, StandInCore, threading.T
     return server, core, thread, [client_end for client_end, _ in pipes]
 
 
-def read_until_idle(conn, timeout: float = 10.0) -> tuple[dict[str, list[int]], dict[str, float]]:
-    """Tokens per request from `conn`'s messages, until one reports an idle core; and that report's figures."""
+def read_until_idle(conn, timeout: float = 10.0, errors: dict[str, str] | None = None
+                    ) -> tuple[dict[str, list[int]], dict[str, float]]:
+    """Tokens per request from `conn`'s messages, until one reports an idle core; and that report's figures. The
+    messages' errors go into `errors`."""
     tokens: dict[str, list[int]] = {}
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -68,6 +78,8 @@ def read_until_idle(conn, timeout: float = 10.0) -> tuple[dict[str, list[int]], 
         assert kind == "outputs"
         for request_id, token in zip(outputs.request_ids, outputs.token_ids):
             tokens.setdefault(request_id, []).append(token)
+        if errors is not None:
+            errors.update(outputs.errors)
         if not stats["num_requests_running"]:
             return tokens, stats
     raise AssertionError("the core never reported idle")
@@ -106,3 +118,18 @@ def test_an_api_process_that_goes_away_loses_its_requests_and_the_others_go_on()
     b.send(("stop",))
     thread.join(5)
     assert "long" not in core.requests and server.owners == {}
+
+
+def test_a_request_the_core_fails_on_fails_alone_and_its_sender_hears_it():
+    server, core, thread, (a, b) = start([("add_request", "a0", [1], 5), ("add_request", "bad", [1], -1)],
+                                         [("add_request", "b0", [1], 5)])
+    errors_a: dict[str, str] = {}
+    errors_b: dict[str, str] = {}
+    tokens_a, _ = read_until_idle(a, errors=errors_a)
+    tokens_b, _ = read_until_idle(b, errors=errors_b)
+    assert tokens_a == {"a0": [1, 2, 3, 4, 5]} and tokens_b == {"b0": [1, 2, 3, 4, 5]}
+    assert list(errors_a) == ["bad"] and "cannot take" in errors_a["bad"] and not errors_b
+    assert thread.is_alive()
+    a.send(("stop",))
+    thread.join(5)
+    assert server.owners == {}

@@ -29,6 +29,17 @@ class NewSequence:
     stop_token_ids: tuple[int, ...]  # what min_tokens keeps from being drawn (EOS unless ignore_eos, stop ids)
 
 
+class SequenceError(Exception):
+    """The model runner could not take one sequence into a step, and raised before the step ran. The engine core
+    fails that sequence's request (finish_reason "error"), undoes the step (its other sequences are recomputed
+    later: the runner's state of them is void) and goes on serving everyone else."""
+
+    def __init__(self, seq_id: int, message: str) -> None:
+        super().__init__(f"sequence {seq_id}: {message}")
+        self.seq_id = seq_id
+        self.message = message
+
+
 @dataclass
 class SchedulerOutput:
     """One step: which sequences run, in batch order, with how many new tokens each."""
@@ -76,6 +87,8 @@ class EngineCoreOutputs:
     # entry -> on a sequence's first token: (prompt tokens served from the prefix cache, and the core's times
     # (time.time()) of its queueing, first scheduling and of this token), for the latency metrics
     first: dict[int, tuple[int, float, float | None, float]] = field(default_factory=dict)
+    # request id -> why the engine could not serve it: its unfinished completions end with finish_reason "error"
+    errors: dict[str, str] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -89,11 +102,13 @@ class EngineCoreOutputs:
         for mine, theirs in zip(self._sparse(), other._sparse()):
             for entry, value in theirs.items():
                 mine[entry + offset] = value
+        self.errors.update(other.errors)
 
-    def select(self, entries: list[int]) -> EngineCoreOutputs:
-        """The given entries (in that order) as outputs of their own: one API process's share of a step."""
+    def select(self, entries: list[int], errors: dict[str, str]) -> EngineCoreOutputs:
+        """The given entries (in that order) and errors as outputs of their own: one API process's share of a
+        step."""
         out = EngineCoreOutputs([self.request_ids[e] for e in entries], [self.indexes[e] for e in entries],
-                                [self.token_ids[e] for e in entries])
+                                [self.token_ids[e] for e in entries], errors=errors)
         for mine, theirs in zip(out._sparse(), self._sparse()):
             if theirs:
                 for new, old in enumerate(entries):

@@ -39,6 +39,11 @@ class RequestAbortedError(RuntimeError):
     """The server aborted the request (it is shutting down, or the engine failed) before it finished."""
 
 
+# What clients are told when the engine cannot serve them (the details, a traceback perhaps, go to the log only)
+ENGINE_DIED = "the engine failed and the server is stopping (the server's log has the details)"
+ENGINE_STOPPED = "the engine has stopped"
+
+
 class RequestStream:
     """The outputs of one or more engine requests (one per prompt of an HTTP request); iteration ends when all
     have finished. Outputs that arrive while the reader is busy are merged, per request, into one (so a reader
@@ -119,7 +124,8 @@ class AsyncLLMEngine:
         # event loop detokenizes with the engine's own (a fast tokenizer is not safe to share).
         self.tokenizer: Any = copy.deepcopy(engine.tokenizer)
         ip = engine.input_processor
-        self.input_processor = InputProcessor(self.tokenizer, ip.vocab_size, ip.max_model_len, ip.kv_capacity_tokens)
+        self.input_processor = InputProcessor(self.tokenizer, ip.vocab_size, ip.max_model_len, ip.kv_capacity_tokens,
+                                              ip.max_n)
         self.model_path = engine.model_path
         self.max_model_len = engine.max_model_len
         self.model_config = engine.model_config
@@ -190,9 +196,9 @@ class AsyncLLMEngine:
         self._closed = True
         if self.dead_reason is None:
             self._abort_all("the server is shutting down")
-        self.dead_reason = self.dead_reason or "the engine stopped"
+        self.dead_reason = self.dead_reason or ENGINE_STOPPED
         self._stop_reading()
-        self._fail(list(self._streams), EngineDeadError(self.dead_reason))
+        self._fail(list(self._streams), EngineDeadError(ENGINE_STOPPED))
 
     def _stop_reading(self) -> None:
         loop = self._loop
@@ -209,7 +215,7 @@ class AsyncLLMEngine:
         self.dead_reason = f"{type(error).__name__}: {error}"
         logger.error("the engine core died: %s", error)
         self._stop_reading()
-        self._fail(list(self._streams), EngineDeadError(self.dead_reason))
+        self._fail(list(self._streams), EngineDeadError(ENGINE_DIED))
 
     # ---- requests ---------------------------------------------------------------------------------
     async def add_requests(self, requests: Sequence[tuple[str, ProcessedInput]]) -> RequestStream:
@@ -219,7 +225,7 @@ class AsyncLLMEngine:
         if not self._accepting:
             raise EngineDeadError("the server is shutting down")
         if not self.is_running:
-            raise EngineDeadError(f"the engine is not running ({self.dead_reason or 'not started'})")
+            raise EngineDeadError(ENGINE_DIED if self.dead_reason else "the engine has not started")
         ids = [request_id for request_id, _ in requests]
         if len(set(ids)) != len(ids) or any(i in self._streams for i in ids):
             raise ValueError("request ids must be unique")
@@ -230,9 +236,11 @@ class AsyncLLMEngine:
                 self.engine.add_processed_request(request_id, processed, output_kind="delta")
                 added.append(request_id)
                 self._streams[request_id] = stream
+                if len(added) % 64 == 0:  # (a request of many prompts lets the loop serve the others meanwhile)
+                    await asyncio.sleep(0)
         except EngineCoreDeadError as e:
             self._die(e)
-            raise EngineDeadError(self.dead_reason) from e
+            raise EngineDeadError(ENGINE_DIED) from e
         except BaseException:
             self._forget(added)
             self._abort(added)
@@ -293,9 +301,9 @@ class AsyncLLMEngine:
         except EngineCoreDeadError as e:
             self._die(e)
             return
-        except Exception as e:  # an engine bug: fail what is in flight, keep serving
+        except Exception:  # an engine bug: fail what is in flight, keep serving
             logger.exception("processing the engine's outputs failed")
-            self._abort_all(f"the engine failed: {type(e).__name__}: {e}")
+            self._abort_all("processing the engine's outputs failed (the server's log has the details)")
             return
         streams = self._streams
         for output in outputs:

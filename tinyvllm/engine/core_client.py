@@ -106,10 +106,14 @@ class _CoreServer:
                 command, *args = conn.recv()
                 if command == "stop":
                     return True
-                getattr(core, command)(*args)  # add_request, abort_request, finish_sequence
                 if command == "add_request":
                     self.owners[args[0]] = conn
-                elif args[0] not in core.requests:  # aborted, or its last completion finished
+                try:
+                    getattr(core, command)(*args)  # add_request, abort_request, finish_sequence
+                except Exception as e:  # one request's trouble: it fails, the core serves the others
+                    logger.exception("the engine core failed on %s of request %r", command, args[0])
+                    core.fail_request(args[0], f"{type(e).__name__}: {e}")
+                if command != "add_request" and args[0] not in core.requests:  # aborted, or finished
                     self.owners.pop(args[0], None)
         except (EOFError, OSError):
             self._drop(core, conn)
@@ -129,10 +133,14 @@ class _CoreServer:
                 owner = self.owners.get(request_id)
                 if owner is not None:
                     shares[owner].append(entry)
+            errors: dict[Connection, dict[str, str]] = {}
+            for request_id, message in outputs.errors.items():
+                if request_id in self.owners:
+                    errors.setdefault(self.owners[request_id], {})[request_id] = message
             now = time.monotonic()
             for conn in list(self.live):
                 if conn in shares:
-                    self._send(core, conn, ("outputs", outputs.select(shares[conn]), stats))
+                    self._send(core, conn, ("outputs", outputs.select(shares[conn], errors.get(conn, {})), stats))
                 elif now - self.last_sent.get(conn, 0.0) >= 0.1:
                     self._send(core, conn, ("outputs", EngineCoreOutputs(), stats))
                 else:
@@ -142,6 +150,8 @@ class _CoreServer:
             request_id = outputs.request_ids[entry]
             if request_id not in core.requests:  # (all its completions are done)
                 self.owners.pop(request_id, None)
+        for request_id in outputs.errors:
+            self.owners.pop(request_id, None)
 
     def _send(self, core: Any, conn: Connection, message: tuple) -> None:
         try:

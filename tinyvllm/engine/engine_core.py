@@ -11,6 +11,7 @@ vain, which is dropped."""
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from tinyvllm.config import ConfigError, EngineConfig, ModelConfig, check_tensor_parallel_size
-from tinyvllm.contract import EngineCoreOutputs, SchedulerOutput, StepStats
+from tinyvllm.contract import EngineCoreOutputs, SchedulerOutput, SequenceError, StepStats
 from tinyvllm.distributed import ONE_GPU, TensorParallel, destroy_tensor_parallel, init_tensor_parallel
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.scheduler import Scheduler
@@ -29,6 +30,8 @@ from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.model_runner import ModelRunner
 from tinyvllm.worker.sampler import AsyncModelRunnerOutput, step_seed
 from tinyvllm.worker.tp_worker import TensorParallelWorkers, free_tcp_init_method
+
+logger = logging.getLogger(__name__)
 
 StepCallback = Callable[[StepStats], None]
 
@@ -63,6 +66,7 @@ class EngineCore:
                                    max_model_len, config.scheduling)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
+        self._errors: dict[str, str] = {}  # requests failed since the last outputs (EngineCoreOutputs.errors)
         self._seq_ids = itertools.count()
         self._rng = random.Random(config.seed)
         self.async_scheduling = config.resolve_async_scheduling(device)
@@ -116,7 +120,7 @@ class EngineCore:
             seed = self._rng.getrandbits(63) if params.seed is None else step_seed(params.seed, -1 - index)
             seqs.append(Sequence(next(self._seq_ids), request_id, index, prompt_token_ids, params, seed, stop_tokens,
                                  self.eos_token_ids))
-        self.requests[request_id] = seqs
+        self.requests[request_id] = seqs  # (only now, when nothing more can fail)
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -124,6 +128,14 @@ class EngineCore:
         """Finish every sequence of the request and free its KV blocks (nothing if it is unknown)."""
         for seq in self.requests.pop(request_id, []):
             self.scheduler.finish(seq, "abort")
+
+    def fail_request(self, request_id: str, message: str) -> None:
+        """End a request the engine could not serve (an error while taking it in, or in a step, that concerns it
+        alone): its unfinished completions end with finish_reason "error", and the next outputs say why
+        (EngineCoreOutputs.errors). The core goes on serving the others."""
+        for seq in self.requests.pop(request_id, []):
+            self.scheduler.finish(seq, "error")
+        self._errors[request_id] = message
 
     def finish_sequence(self, request_id: str, index: int, reason: str, stop_reason: int | str | None) -> None:
         """End one completion early (the output processor found a stop string in its text)."""
@@ -138,7 +150,8 @@ class EngineCore:
             del self.requests[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests to step, or failures not reported yet."""
+        return bool(self.requests or self._errors)
 
     @property
     def has_step_in_flight(self) -> bool:
@@ -163,7 +176,7 @@ class EngineCore:
             if in_flight is None:
                 if self.scheduler.has_unfinished():
                     raise RuntimeError("the scheduler has waiting requests but could schedule none")
-                return EngineCoreOutputs()
+                return self._with_errors(EngineCoreOutputs())
         if self.async_scheduling and not in_flight.output.has_penalties:  # penalties need the tokens on the host
             self._in_flight = self._launch()
         start = time.perf_counter()
@@ -179,18 +192,33 @@ class EngineCore:
             stats.gpu_ms = result.gpu_time_ms
             for callback in self.step_callbacks:
                 callback(stats)
+        return self._with_errors(outputs) if self._errors else outputs
+
+    def _with_errors(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
+        outputs.errors, self._errors = self._errors, {}
         return outputs
 
     def _launch(self) -> _Launched | None:
-        """Schedule a batch and start it on the device; None if nothing can run now."""
+        """Schedule a batch and start it on the device; None if nothing can run now. A sequence the runner refuses
+        (SequenceError) fails its request alone: the step is undone and the rest scheduled again."""
         start = time.perf_counter()
         scheduler = self.scheduler
         preemptions, prompt_tokens = scheduler.num_preemptions, scheduler.num_prompt_tokens
-        step = scheduler.schedule()
-        if step.is_empty():
-            return None
-        scheduled = time.perf_counter()
-        output = self.model_runner.execute(step, self.record_gpu_time)
+        while True:
+            step = scheduler.schedule()
+            if step.is_empty():
+                return None
+            scheduled = time.perf_counter()
+            try:
+                output = self.model_runner.execute(step, self.record_gpu_time)
+                break
+            except SequenceError as e:
+                seq = scheduler.seqs.get(e.seq_id)
+                logger.exception("the model runner refused a sequence of request %r",
+                                 seq.request_id if seq else None)
+                scheduler.unschedule(step)
+                if seq is not None:
+                    self.fail_request(seq.request_id, e.message)
         scheduler.cache_launched()
         stats = None
         if self.step_callbacks:

@@ -99,6 +99,13 @@ class OutputProcessor:
             # (a final_only request has an output only when it finishes, which takes a completion finishing)
             if request.output_kind != "final_only" or completion.finish_reason is not None:
                 touched[request_id] = request
+        for request_id in outputs.errors:  # (the core has dropped them: each unfinished completion ends here)
+            request = requests.get(request_id)
+            if request is not None:
+                for completion in request.completions:
+                    if completion.finish_reason is None:
+                        completion.finish_reason, completion.stop_reason = "error", None
+                touched[request_id] = request
         results = []
         for request in touched.values():
             finished_now = request.finished

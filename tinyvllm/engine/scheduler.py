@@ -51,6 +51,7 @@ class Scheduler:
         self._freed: list[int] = []  # ids whose blocks were freed since the last batch (the runner drops them)
         self._waiting_with_placeholder = False  # a preempted sequence waits for its token in flight
         self._prompting: list[Sequence] = []  # the sequences with prompt tokens in the step last scheduled
+        self._sampling: list[Sequence] = []  # those the step last scheduled gave a placeholder (unschedule)
 
     def add(self, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq
@@ -157,12 +158,28 @@ class Scheduler:
         prompting, self._prompting = self._prompting, []
         self.block_manager.cache_full_blocks(prompting)  # (at once without prefix caching)
 
+    def unschedule(self, out: SchedulerOutput) -> None:
+        """Undo the step schedule() last returned, which never ran (the model runner refused one of its
+        sequences): each of its sequences loses the placeholder the step gave it and is preempted, to be
+        recomputed later from what is known, and the runner, whose state of them is void, is told again of the
+        sequences freed before it."""
+        for seq in self._sampling:
+            seq.num_output_placeholders -= 1
+        self._sampling = self._prompting = []
+        self._freed[:0] = out.finished_seq_ids
+        for seq_id in reversed(out.seq_ids):  # (each goes to the front of the queue: they keep their order)
+            seq = self.seqs.get(seq_id)
+            if seq is not None and seq.status == SequenceStatus.RUNNING:
+                self.running.remove(seq)
+                self._preempt(seq)
+
     def _describe(self, out: SchedulerOutput, scheduled: list[Sequence]) -> None:
         """Fill in what the runner needs of each scheduled sequence, and count the step's tokens as computed
         (their K/V are written in stream order before any later step reads them); a sequence whose last
         token is in the step gets a placeholder for the token it samples."""
         seq_ids = out.seq_ids
         self._prompting = prompting = []  # (for cache_launched)
+        self._sampling = sampling = []  # (for unschedule)
         for seq, num_new in zip(scheduled, out.num_new_tokens):
             seq_ids.append(seq.seq_id)
             num_blocks = len(seq.block_table)
@@ -181,6 +198,7 @@ class Scheduler:
             seq.num_computed_tokens = num_computed = num_computed + num_new
             if num_computed == len(seq.token_ids) + seq.num_output_placeholders:  # (Sequence.num_tokens)
                 seq.num_output_placeholders += 1
+                sampling.append(seq)
 
     def _start_running(self, seq: Sequence, now: float) -> None:
         seq.status = SequenceStatus.RUNNING

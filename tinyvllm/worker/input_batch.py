@@ -65,9 +65,18 @@ class InputBatch:
         return self.block_tables.shape[0]
 
     def add(self, new: NewSequence) -> None:
+        """Take a new sequence into a free row; if any of its values does not fit the row's arrays, the row is
+        given back and the error raised (the batch is as it was)."""
         if not self._free_rows:
             self._grow()
         row = self.row_of[new.seq_id] = self._free_rows.pop()
+        try:
+            self._fill(row, new)
+        except BaseException:
+            self.remove(new.seq_id)
+            raise
+
+    def _fill(self, row: int, new: NewSequence) -> None:
         self.num_blocks[row] = 0
         self.append_blocks(row, new.block_ids)
         self.num_computed[row] = new.num_computed_tokens

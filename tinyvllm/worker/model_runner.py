@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +16,7 @@ import torch
 
 from tinyvllm import ops
 from tinyvllm.config import EngineConfig, ModelConfig
-from tinyvllm.contract import SchedulerOutput
+from tinyvllm.contract import SchedulerOutput, SequenceError
 from tinyvllm.distributed import TensorParallel
 from tinyvllm.ops import AttentionMetadata
 from tinyvllm.ops.cascade_attention import common_prefix_len, use_cascade_attention
@@ -38,6 +39,9 @@ logger = logging.getLogger(__name__)
 EAGER_TOKEN_MULTIPLE = 256
 EAGER_PADDING_ABOVE = 2048  # smaller steps run through the piecewise graphs, or as they are (eager mode)
 WARM_UP_MAX_TOKENS = 8192
+# A test hook (docs/architecture.md): the runner refuses any new sequence whose tokens hold this token id, as it
+# would one whose state it could not take in, so that tests can see one request fail and the others go on.
+FAIL_TOKEN_VARIABLE = "TINYVLLM_TEST_FAIL_TOKEN"
 
 
 def padded_num_tokens(num_tokens: int, max_num_batched_tokens: int) -> int:
@@ -87,6 +91,8 @@ class ModelRunner:
         self.num_blocks = decide_num_blocks(model, config, device, self.kv_cache_dtype, self.max_blocks_per_seq, tp)
         model.allocate_kv_cache(self.num_blocks, self.block_size, self.kv_cache_dtype, device)
         self.input_batch = InputBatch(2 * config.max_num_seqs, self.max_blocks_per_seq)
+        fail_token = os.environ.get(FAIL_TOKEN_VARIABLE)
+        self.fail_token = int(fail_token) if fail_token else None
         self._staging = Staging(device)
         self._last_output: AsyncModelRunnerOutput | None = None  # the step before: its tokens may be in flight
         self.cuda_graphs: CudaGraphs | None = None
@@ -135,11 +141,18 @@ class ModelRunner:
         return self.piecewise_graphs is not None and self.piecewise_graphs.fits(num_tokens)
 
     def _update_states(self, step: SchedulerOutput) -> None:
+        """Take the step's changes to the sequences held. A new sequence that cannot be taken in is a SequenceError:
+        its request fails, and the engine core undoes the step (contract.SequenceError)."""
         batch = self.input_batch
         for seq_id in step.finished_seq_ids:
             batch.remove(seq_id)
         for new in step.new_seqs:
-            batch.add(new)
+            try:
+                if self.fail_token is not None and self.fail_token in new.token_ids:
+                    raise RuntimeError(f"{FAIL_TOKEN_VARIABLE} is {self.fail_token}: the test hook refuses it")
+                batch.add(new)
+            except Exception as e:
+                raise SequenceError(new.seq_id, f"{type(e).__name__}: {e}") from e
         for seq_id, block_ids in step.new_block_ids.items():
             batch.append_blocks(batch.row_of[seq_id], block_ids)
 

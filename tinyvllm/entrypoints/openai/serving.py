@@ -34,7 +34,7 @@ from tinyvllm.entrypoints.openai.protocol import (
     TokenizeResponse,
     UsageInfo,
 )
-from tinyvllm.outputs import Logprob
+from tinyvllm.outputs import Logprob, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
@@ -42,6 +42,20 @@ OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 405: "MethodNotAllowedError", 413: "RequestTooLargeError", 422: "BadRequestError",
                 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+class RequestFailedError(Exception):
+    """The engine failed on this request alone (finish_reason "error"): a 500, or an error event in a stream."""
+
+
+REQUEST_FAILED = ("an internal error ended this request (the server's log has the details); the server goes on "
+                  "serving others")
+
+
+def check_not_failed(output: RequestOutput) -> None:
+    """RequestFailedError if the engine failed on the request of `output` (which it then finished)."""
+    if output.finished and any(c.finish_reason == "error" for c in output.outputs):
+        raise RequestFailedError(REQUEST_FAILED)
 
 
 class APIError(Exception):
@@ -90,6 +104,8 @@ class EventStream(StreamingResponse):
                 yield f"data: {payload}\n\n"
         except (RequestAbortedError, EngineDeadError) as e:
             yield f"data: {json.dumps(error_body(503, f'the request was aborted: {e}'))}\n\n"
+        except RequestFailedError as e:
+            yield f"data: {json.dumps(error_body(500, str(e)))}\n\n"
         finally:
             stream.abort()
             tracker.close()
@@ -210,6 +226,7 @@ class OpenAIServing:
         async def consume() -> None:
             async for output in stream:
                 tracker.observe(output)
+                check_not_failed(output)
                 cached[output.request_id] = output.num_cached_tokens
                 for completion in output.outputs:
                     choice = choices[(output.request_id, completion.index)]
@@ -228,6 +245,8 @@ class OpenAIServing:
             task.result()
         except (RequestAbortedError, EngineDeadError) as e:
             raise APIError(503, f"the request was aborted: {e}") from e
+        except RequestFailedError as e:
+            raise APIError(500, str(e)) from e
         finally:
             if not task.done():
                 task.cancel()

@@ -23,6 +23,7 @@ from tinyvllm.entrypoints.openai.serving import (
     EventStream,
     OpenAIServing,
     Prepared,
+    check_not_failed,
     token_text,
     usage_info,
 )
@@ -81,6 +82,7 @@ class OpenAIServingCompletion(OpenAIServing):
         created = int(time.time())  # (one for every chunk of the stream, as OpenAI's)
         async for output in stream:
             tracker.observe(output)
+            check_not_failed(output)
             cached[output.request_id] = output.num_cached_tokens
             for completion in output.outputs:
                 completion_tokens += len(completion.token_ids)
