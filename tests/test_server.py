@@ -99,14 +99,15 @@ def _single_threaded_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def serve(log_dir: Path, *args: str) -> Iterator[Server]:
-    """A `tinyvllm serve *args` process on a free loopback port, its output in log_dir/server.log; killed
-    at the end if it is still running. (It is not healthy yet: see _wait_healthy.)"""
+def serve(log_dir: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[Server]:
+    """A `tinyvllm serve *args` process on a free loopback port (with `env` added to its environment), its output in
+    log_dir/server.log; killed at the end if it is still running. (It is not healthy yet: see _wait_healthy.)"""
     port = _free_port()
     log_path = str(log_dir / "server.log")
     with open(log_path, "w") as log:
         process = subprocess.Popen([sys.executable, "-m", "tinyvllm", "serve", "--port", str(port), *args],
-                                   cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=_single_threaded_env())
+                                   cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**_single_threaded_env(), **(env or {})})
         try:
             yield Server(process, port, log_path)
         finally:

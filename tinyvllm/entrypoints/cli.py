@@ -211,6 +211,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="refuse a request body larger than this many MB (2**20 bytes) with 413")
     g.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="on SIGINT/SIGTERM, seconds to wait for open connections before closing them")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat request's own chat_template (refused otherwise), in a process of its own with "
+                        "a time and memory limit")
     g.add_argument("--api-server-count", type=int, default=1,
                    help="API server processes in front of the one engine core (each its own event loop, tokenizer "
                         "and detokenizer, on one listening socket): more when one process cannot keep up")

@@ -20,6 +20,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -175,12 +176,53 @@ def _validation_message(errors: list[Any]) -> tuple[str, str | None]:
     return "; ".join(parts) + more, param
 
 
+# A JSON escape of a UTF-16 surrogate (\ud800-\udfff): a pair decodes to one character, a lone one to a string
+# that is not Unicode text (no tokenizer, and no UTF-8 encoder, takes it).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+class _NotJSONNumber(ValueError):
+    pass
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _NotJSONNumber(f"{name} is not a JSON number")
+
+
+def _check_strings(data: Any) -> None:
+    """APIError unless every string (and key) in `data` is Unicode text: no lone surrogate."""
+    stack = [data]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode()
+            except UnicodeEncodeError as e:
+                raise APIError(400, f"the body holds a lone UTF-16 surrogate ({value[e.start]!a}) in a string: "
+                                    "that is not Unicode text") from None
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+
+
 def parse_body(raw: bytes, model: type[BodyT]) -> BodyT:
-    """The JSON body as `model` (whatever the Content-Type says, as OpenAI's clients all send JSON)."""
+    """The JSON body as `model` (whatever the Content-Type says, as OpenAI's clients all send JSON). Whatever the
+    body holds, the answer is the parsed request or an APIError (400): UTF-8 only (as JSON between systems is),
+    no NaN or Infinity, no number of more digits than Python converts, no nesting deeper than the parser's
+    recursion allows (about a thousand levels), no lone surrogate in a string."""
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the body is not valid JSON: {e}") from e
+        data = json.loads(raw.decode(), parse_constant=_refuse_constant)
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the body is not UTF-8 text (byte {e.start}): send JSON in UTF-8") from None
+    except RecursionError:
+        raise APIError(400, "the body's JSON is nested too deeply") from None
+    except ValueError as e:  # (json.JSONDecodeError, and a number too long to convert)
+        message = str(e) if isinstance(e, (json.JSONDecodeError, _NotJSONNumber)) else "a number has too many digits"
+        raise APIError(400, f"the body is not valid JSON: {message}") from None
+    if _SURROGATE_ESCAPE.search(raw):
+        _check_strings(data)
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -189,12 +231,17 @@ def parse_body(raw: bytes, model: type[BodyT]) -> BodyT:
 
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None, *, max_body_mb: float,
-              access_log: bool = True) -> FastAPI:
+              access_log: bool = True, trust_request_chat_template: bool = False) -> FastAPI:
     """The FastAPI app. Its lifespan starts reading the engine core's outputs and stops the engine on shutdown."""
     metrics = ServerMetrics(engine, served_model_name)
     server = OpenAIServing(engine, served_model_name, metrics)  # /v1/models, /tokenize, /detokenize
     completion = OpenAIServingCompletion(engine, served_model_name, metrics)
-    chat = OpenAIServingChat(engine, served_model_name, metrics)
+    templates = None
+    if trust_request_chat_template and engine.tokenizer is not None:
+        from tinyvllm.entrypoints.openai.chat_template import RequestTemplateRenderer
+
+        templates = RequestTemplateRenderer(engine.tokenizer)
+    chat = OpenAIServingChat(engine, served_model_name, metrics, templates)
     # The input thread: parsing, checks, tokenizing and chat templates, off the event loop (one thread:
     # the server's tokenizer is not safe to use from two at once).
     inputs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinyvllm-inputs")
@@ -207,6 +254,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
             yield
         finally:
             inputs.shutdown(wait=False, cancel_futures=True)
+            if templates is not None:
+                templates.close()
             await asyncio.to_thread(engine.shutdown)
 
     handling = threading.Lock()  # held while a handler runs (they share the server's tokenizer)
@@ -216,15 +265,19 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         here on the event loop, for a small body while no handler runs: such work takes less time than the
         two hand-offs between threads would (each a wake-up, and a wait for the GIL)."""
         raw = await raw_request.body()
+        body = None
         if len(raw) <= INLINE_BODY_BYTES and handling.acquire(blocking=False):
             try:
-                return handle(parse_body(raw, model))
+                body = parse_body(raw, model)
+                if getattr(body, "chat_template", None) is None:
+                    return handle(body)
             finally:
                 handling.release()
+            # (a request's own chat template renders on the input thread: it may take up to its time limit)
 
         def job() -> T:
             with handling:
-                return handle(parse_body(raw, model))
+                return handle(parse_body(raw, model) if body is None else body)
 
         return await asyncio.get_running_loop().run_in_executor(inputs, job)
 
@@ -263,13 +316,16 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        # (what went wrong goes to the log alone: a body says nothing of the server's insides)
         logger.exception("unexpected error on %s", request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        return error_response(500, "internal error: the server could not handle this request (its log has the "
+                                   "details); other requests are not affected")
 
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_running:
-            return error_response(503, f"the engine is not running ({engine.dead_reason or 'not started'})")
+            return error_response(503, "the engine is not running" if engine.dead_reason else
+                                  "the engine has not started")
         return Response(status_code=200)
 
     @app.get("/ping")
@@ -371,7 +427,8 @@ def run_server(args: argparse.Namespace, config: EngineConfig, core_connection: 
     signal.signal(signal.SIGTERM, _exit_cleanly)  # while the model loads: nothing to shut down yet
     engine = AsyncLLMEngine.from_config(config, core_connection=core_connection)
     name = args.served_model_name or default_model_name(args.model)
-    app = build_app(engine, name, api_key, max_body_mb=args.max_request_body_mb, access_log=args.access_log)
+    app = build_app(engine, name, api_key, max_body_mb=args.max_request_body_mb, access_log=args.access_log,
+                    trust_request_chat_template=args.trust_request_chat_template)
     # (uvicorn's own access log stays off: the app's logs the same requests, with their duration)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             access_log=False, timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")

@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tinyvllm.engine.async_engine import RequestStream
-from tinyvllm.entrypoints.openai.metrics import RequestTracker
+from tinyvllm.engine.async_engine import AsyncLLMEngine, RequestStream
+from tinyvllm.entrypoints.openai.chat_template import RequestTemplateRenderer
+from tinyvllm.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from tinyvllm.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -32,10 +33,12 @@ from tinyvllm.entrypoints.openai.serving import (
     EventStream,
     OpenAIServing,
     Prepared,
+    check_not_failed,
     token_text,
     usage_info,
 )
 from tinyvllm.outputs import Logprob
+from tinyvllm.sampling_params import MAX_LOGPROBS
 
 
 def refuse_unsupported(body: ChatCompletionRequest) -> None:
@@ -57,6 +60,13 @@ def refuse_unsupported(body: ChatCompletionRequest) -> None:
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, metrics: ServerMetrics,
+                 request_templates: RequestTemplateRenderer | None = None) -> None:
+        """request_templates: renders requests' own chat templates (--trust-request-chat-template); None refuses
+        them."""
+        super().__init__(engine, served_model_name, metrics)
+        self.request_templates = request_templates
+
     def prepare(self, body: ChatCompletionRequest) -> Prepared:
         """Checks and the chat template (on the input thread)."""
         self.check_model(body.model)
@@ -66,11 +76,21 @@ class OpenAIServingChat(OpenAIServing):
         top_logprobs = None
         if body.logprobs:
             top_logprobs = body.top_logprobs or 0
+            if not 0 <= top_logprobs <= MAX_LOGPROBS:
+                raise APIError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top_logprobs}",
+                               "top_logprobs")
         elif body.top_logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         self.inputs.check_text_length(messages, "messages")
-        ids = self.inputs.apply_chat_template(messages, body.add_generation_prompt, body.chat_template)
+        if body.chat_template is None:
+            ids = self.inputs.apply_chat_template(messages, body.add_generation_prompt)
+        elif self.request_templates is None:
+            raise APIError(400, "chat_template is refused: this server renders only the model's own chat template "
+                                "(start it with --trust-request-chat-template to allow a request's own); remove it",
+                           "chat_template")
+        else:
+            ids = self.request_templates.render(messages, body.add_generation_prompt, body.chat_template)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         processed = self.process(ids, self.sampling_params(body, requested, top_logprobs))
         request_id = random_id("chatcmpl")
@@ -117,6 +137,7 @@ class OpenAIServingChat(OpenAIServing):
             yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
         async for output in stream:
             tracker.observe(output)
+            check_not_failed(output)
             cached = output.num_cached_tokens
             for completion in output.outputs:
                 completion_tokens += len(completion.token_ids)
