@@ -23,7 +23,8 @@ def _mixed_step(checkpoint: str, decodes_last: bool) -> tuple[dict[int, int], At
     """Sequences 2 and 3 prefill, then one step decodes them beside sequence 1's prompt, sent first (as a
     scheduler may send it) or last. Returns each sequence's token from that step, and the step's metadata."""
     runner = tiny_llm(checkpoint, num_kv_blocks=16, block_size=16).llm_engine.engine_core.model_runner
-    runner.execute(SchedulerOutput([2, 3], [4, 3], [_new(2), _new(3)])).get()
+    runner.execute_model(SchedulerOutput([2, 3], [4, 3], [_new(2), _new(3)]))
+    runner.sample_tokens().get()
     metas: list[AttentionMetadata] = []
     prepare = runner.prepare
 
@@ -34,8 +35,9 @@ def _mixed_step(checkpoint: str, decodes_last: bool) -> tuple[dict[int, int], At
 
     runner.prepare = recording_prepare
     order = [1, 2, 3] if decodes_last else [2, 3, 1]
-    out = runner.execute(SchedulerOutput(order, [6 if i == 1 else 1 for i in order], [_new(1)])).get()
-    return dict(zip(out.seq_ids, out.sampled_token_ids)), metas[0]
+    runner.execute_model(SchedulerOutput(order, [6 if i == 1 else 1 for i in order], [_new(1)]))
+    out = runner.sample_tokens().get()
+    return dict(zip(out.seq_ids, (tokens for (tokens,) in out.sampled_token_ids))), metas[0]
 
 
 def test_mixed_step_runs_its_decodes_first(checkpoint: str) -> None:

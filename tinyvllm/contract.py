@@ -50,6 +50,9 @@ class SchedulerOutput:
     new_block_ids: dict[int, list[int]] = field(default_factory=dict)  # seen sequences' blocks gained since
     # Sequences freed since the last step (finished, aborted or preempted): the runner drops their state.
     finished_seq_ids: list[int] = field(default_factory=list)
+    # Proposed (draft) tokens the step verifies, by sequence (speculative decoding; none are proposed yet): they
+    # are among the sequence's num_new_tokens.
+    scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -61,11 +64,12 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """The tokens a step sampled: one for each sequence whose last known token was in the step."""
+    """The tokens a step sampled for each sequence whose last known token was in the step: a list each, of one
+    token, or of several where the step verified proposed tokens and accepted some."""
 
     seq_ids: list[int]
-    sampled_token_ids: list[int]
-    logprobs: list[dict[int, Logprob] | None]  # per sampled sequence, when it asked for logprobs
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[dict[int, Logprob]] | None]  # per sampled sequence, a dict per token, where asked
     gpu_time_ms: float | None = None  # the step's device time, when the engine asked for it
 
 
@@ -80,7 +84,7 @@ class EngineCoreOutputs:
 
     request_ids: list[str] = field(default_factory=list)
     indexes: list[int] = field(default_factory=list)  # which of the request's n completions
-    token_ids: list[int] = field(default_factory=list)  # the entry's new token
+    token_ids: list[int] = field(default_factory=list)  # the entry's new token (a sequence may have several entries)
     # entry -> (finish_reason: "stop", "length" or "abort"; stop_reason: the stop token id or string, or None)
     finished: dict[int, tuple[str, int | str | None]] = field(default_factory=dict)
     logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)  # entry -> its token's, where asked

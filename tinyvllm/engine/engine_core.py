@@ -210,7 +210,7 @@ class EngineCore:
                 return None
             scheduled = time.perf_counter()
             try:
-                output = self.model_runner.execute(step, self.record_gpu_time)
+                self.model_runner.execute_model(step, self.record_gpu_time)
                 break
             except SequenceError as e:
                 seq = scheduler.seqs.get(e.seq_id)
@@ -219,6 +219,7 @@ class EngineCore:
                 scheduler.unschedule(step)
                 if seq is not None:
                     self.fail_request(seq.request_id, e.message)
+        output = self.model_runner.sample_tokens()
         scheduler.cache_launched()
         stats = None
         if self.step_callbacks:

@@ -248,33 +248,38 @@ class Scheduler:
 
     # ---- after the step ---------------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
-        """Take a step's sampled tokens: append each to its sequence, finish those that hit a stop token or
-        their length, cache the full blocks of the step's sequences (those that just finished too, so that
-        a follow-up prompt holding their output finds it), and free the finished ones. (This runs for every
-        sequence at every step: the loops keep to plain attributes and local names.)"""
+        """Take a step's sampled tokens: append each sequence's new tokens in turn, until one is a stop token or
+        its last (the rest are dropped: nothing past a stop or max_tokens), cache the full blocks of the step's
+        sequences (those that just finished too, so that a follow-up prompt holding their output finds it), and
+        free the finished ones. A sequence's tokens past the first have no K/V yet: the next step computes them
+        with its new token, as a chunk. (This runs for every sequence at every step: the loops keep to plain
+        attributes and local names.)"""
         request_ids: list[str] = []
         indexes: list[int] = []
         token_ids: list[int] = []
         outputs = EngineCoreOutputs(request_ids, indexes, token_ids)
         finished: list[Sequence] = []
         seqs = self.seqs
-        for seq_id, token, logprobs in zip(result.seq_ids, result.sampled_token_ids, result.logprobs):
+        for seq_id, new_tokens, new_logprobs in zip(result.seq_ids, result.sampled_token_ids, result.logprobs):
             seq = seqs.get(seq_id)
-            if seq is None:  # it stopped at its previous token, or was aborted: this token is dropped
+            if seq is None:  # it stopped at its previous token, or was aborted: these tokens are dropped
                 continue
             seq.num_output_placeholders -= 1
-            seq.token_ids.append(token)
-            entry = len(token_ids)
-            request_ids.append(seq.request_id)
-            indexes.append(seq.index)
-            token_ids.append(token)
-            if self._check_stop(seq, token):
-                finished.append(seq)
-                outputs.finished[entry] = (seq.finish_reason, seq.stop_reason)
-            if logprobs is not None:
-                outputs.logprobs[entry] = logprobs
-            if len(seq.token_ids) == seq.num_prompt_tokens + 1:
-                outputs.first[entry] = (seq.num_cached_tokens, seq.queued_time, seq.first_scheduled_time, time.time())
+            for i, token in enumerate(new_tokens):
+                seq.token_ids.append(token)
+                entry = len(token_ids)
+                request_ids.append(seq.request_id)
+                indexes.append(seq.index)
+                token_ids.append(token)
+                if new_logprobs is not None:
+                    outputs.logprobs[entry] = new_logprobs[i]
+                if len(seq.token_ids) == seq.num_prompt_tokens + 1:
+                    outputs.first[entry] = (seq.num_cached_tokens, seq.queued_time, seq.first_scheduled_time,
+                                            time.time())
+                if self._check_stop(seq, token):
+                    finished.append(seq)
+                    outputs.finished[entry] = (seq.finish_reason, seq.stop_reason)
+                    break
         if self.block_manager.enable_prefix_caching:
             self.block_manager.cache_full_blocks(map(seqs.get, out.seq_ids))
         if finished:

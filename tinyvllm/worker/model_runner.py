@@ -73,6 +73,17 @@ class ModelInput:
     shared_prefix: bool = False  # (a graph step) its inputs hold a common prefix length: cascade attention
 
 
+@dataclass
+class _Executed:
+    """A step between execute_model and sample_tokens: its inputs, and the hidden states of its forward pass, or
+    the tokens a decode graph's tail drew."""
+
+    inputs: ModelInput
+    hidden: torch.Tensor | None
+    tokens: torch.Tensor | None
+    timer: tuple[torch.cuda.Event, torch.cuda.Event] | None
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  device: torch.device, dtype: torch.dtype, max_model_len: int,
@@ -95,6 +106,7 @@ class ModelRunner:
         self.fail_token = int(fail_token) if fail_token else None
         self._staging = Staging(device)
         self._last_output: AsyncModelRunnerOutput | None = None  # the step before: its tokens may be in flight
+        self._executed: _Executed | None = None  # the step execute_model launched, until sample_tokens
         self.cuda_graphs: CudaGraphs | None = None
         self.piecewise_graphs: PiecewiseCudaGraphs | None = None
         # (The reference ops synchronize with the host, so they are not capturable; and graphs holding NCCL
@@ -281,17 +293,20 @@ class ModelRunner:
         return hints
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput, record_gpu_time: bool = False) -> AsyncModelRunnerOutput:
-        """Launch one step; its sampled tokens come back through the returned AsyncModelRunnerOutput, whose
-        get() also records them in the runner's own histories. record_gpu_time: time the step on the device
-        (CUDA events; on the CPU the host time is the device time, so nothing is recorded)."""
+    def execute_model(self, step: SchedulerOutput, record_gpu_time: bool = False) -> None:
+        """Launch one step's forward pass (through the path its shape takes: a decode graph, the whole-step or
+        piecewise graphs, or eager); sample_tokens() then samples its tokens. record_gpu_time: time the step on the
+        device (CUDA events; on the CPU the host time is the device time, so nothing is recorded). A new sequence
+        the runner cannot take in is a SequenceError, raised before anything runs."""
+        if step.scheduled_spec_decode_tokens:
+            raise NotImplementedError("the model runner does not verify proposed tokens yet")
         timer = None
         if record_gpu_time and self.device.type == "cuda":
             timer = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             timer[0].record()
         inputs = self.prepare(step)
         graphs, pieces = self.cuda_graphs, self.piecewise_graphs
-        batch, num_seqs, tokens = self.input_batch, len(step.seq_ids), None
+        num_seqs, tokens = len(step.seq_ids), None
         if inputs.graph_size is not None:
             # (a decode step samples every sequence, so the graph's rows are the sampled ones, in order)
             mode = graphs.tail_mode(inputs.sampling) if len(inputs.sampled_seq_ids) == num_seqs else None
@@ -304,12 +319,21 @@ class ModelRunner:
             hidden = pieces.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        if tokens is not None:  # the graph drew them
-            output = self.sampler.output(tokens, inputs.sampling, batch, inputs.sampled_rows, inputs.sampled_seq_ids,
-                                         batch.record_tokens, timer)
+        self._executed = _Executed(inputs, hidden, tokens, timer)
+
+    @torch.inference_mode()
+    def sample_tokens(self) -> AsyncModelRunnerOutput:
+        """The tokens of the step execute_model launched (a graph's tail may have drawn them already), on their way
+        to the host; get() also records them in the runner's own histories."""
+        executed, self._executed = self._executed, None
+        assert executed is not None, "sample_tokens() without execute_model()"
+        inputs, timer, batch, graphs = executed.inputs, executed.timer, self.input_batch, self.cuda_graphs
+        if executed.tokens is not None:  # the graph drew them
+            output = self.sampler.output(executed.tokens, inputs.sampling, batch, inputs.sampled_rows,
+                                         inputs.sampled_seq_ids, batch.record_tokens, timer)
             batch.num_tokens[inputs.sampled_rows] += 1
         elif inputs.sampled_seq_ids:
-            output = self.sample(hidden[inputs.logits_indices], inputs.sampling, inputs.sampled_rows,
+            output = self.sample(executed.hidden[inputs.logits_indices], inputs.sampling, inputs.sampled_rows,
                                  inputs.sampled_seq_ids, timer)
             batch.num_tokens[inputs.sampled_rows] += 1  # the tokens in flight count from now on
             if graphs is not None:

@@ -122,14 +122,14 @@ class AsyncModelRunnerOutput:
         if self._event is not None:
             self._event.synchronize()
         host = self._host.numpy()
-        token_ids = host.tolist()
+        token_ids = host.reshape(-1, 1).tolist()  # (a list of one token per sequence)
         if self._on_ready is not None:
             self._on_ready(self.rows, np.array(self.seq_ids, dtype=np.int64), host)
-        logprobs: list[dict[int, Logprob] | None] = [None] * len(self.seq_ids)
+        logprobs: list[list[dict[int, Logprob]] | None] = [None] * len(self.seq_ids)
         if self._raw_logprobs is not None and self._num_logprobs is not None:
-            for row, (token, top_n) in enumerate(zip(token_ids, self._num_logprobs)):
+            for row, ((token,), top_n) in enumerate(zip(token_ids, self._num_logprobs)):
                 if top_n is not None:
-                    logprobs[row] = _logprobs_of(self._raw_logprobs[row], token, top_n)
+                    logprobs[row] = [_logprobs_of(self._raw_logprobs[row], token, top_n)]
         gpu_ms = None
         if self._timer is not None:
             start, end = self._timer
