@@ -729,7 +729,7 @@ def sweep_decode(batch: int, context: int) -> None:
 
 # (N, K) of the five products of a Llama-3.2-1B decode step. The projections are stored input-major on CUDA
 # (model/loader.py) and called through F.linear; the tied LM head is the embedding [vocab, hidden], called
-# as torch.matmul(hidden, weight.t()) (LlamaForCausalLM.compute_logits).
+# as torch.matmul(hidden, weight.t()) (CausalLM.compute_logits).
 GEMV_SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
                "lm_head": (128256, 2048)}
 GEMV_BATCHES = [1, 2, 4, 8, 16, 32, 64]

@@ -15,6 +15,7 @@ from tinyvllm import SamplingParams
 from tinyvllm.config import ConfigError, EngineConfig, check_fp8_capability
 from tinyvllm.ops.attention import AttentionMetadata, paged_attention_ref
 from tinyvllm.ops.rotary import store_kv_ref, to_cache_dtype_ref
+from tinyvllm.worker.kv_cache import kv_cache_bytes_per_block
 
 FP8 = torch.float8_e4m3fn
 checkpoint = tiny_llama_fixture(seed=5)
@@ -136,11 +137,11 @@ def test_engine_with_fp8_cache(checkpoint: str) -> None:
     runner, fp8_runner = (llm.llm_engine.engine_core.model_runner for llm in (default, fp8))
     assert runner.kv_cache_dtype == torch.float32 and fp8_runner.kv_cache_dtype == FP8
     for layer in fp8_runner.model.model.layers:
-        assert layer.self_attn.k_cache.dtype == layer.self_attn.v_cache.dtype == FP8
-        assert layer.self_attn.k_cache.shape[0] == fp8_runner.num_blocks
-    assert runner.model.model.layers[0].self_attn.k_cache.dtype == torch.float32
-    assert fp8_runner.model.kv_cache_bytes_per_block(16, FP8) * 4 == runner.model.kv_cache_bytes_per_block(
-        16, torch.float32)
+        assert layer.self_attn.attn.k_cache.dtype == layer.self_attn.attn.v_cache.dtype == FP8
+        assert layer.self_attn.attn.k_cache.shape[0] == fp8_runner.num_blocks
+    assert runner.model.model.layers[0].self_attn.attn.k_cache.dtype == torch.float32
+    assert kv_cache_bytes_per_block(fp8_runner.model, 16, FP8) * 4 == kv_cache_bytes_per_block(
+        runner.model, 16, torch.float32)
     assert fp8_runner.num_blocks == 4 * runner.num_blocks
     block_managers = [llm.llm_engine.engine_core.block_manager for llm in (default, fp8)]
     assert block_managers[1].num_blocks == 4 * block_managers[0].num_blocks

@@ -5,7 +5,7 @@ import pytest
 
 from tests.utils import tiny_llama_fixture, tiny_llm
 from tinyvllm.config import ConfigError
-from tinyvllm.worker.kv_cache import _available_memory
+from tinyvllm.worker.kv_cache import _available_memory, kv_cache_bytes_per_block
 
 checkpoint = tiny_llama_fixture(seed=3)
 
@@ -13,7 +13,7 @@ checkpoint = tiny_llama_fixture(seed=3)
 def pool(llm):
     core = llm.llm_engine.engine_core
     runner = core.model_runner
-    return core.block_manager.num_blocks, runner.model.kv_cache_bytes_per_block(16, runner.kv_cache_dtype)
+    return core.block_manager.num_blocks, kv_cache_bytes_per_block(runner.model, 16, runner.kv_cache_dtype)
 
 
 def test_kv_cache_memory_sets_the_pool(checkpoint):

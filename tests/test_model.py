@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from tests.utils import hf_greedy, hf_model, our_logits, relative_error, save_tiny_llama
+from tests.utils import hf_greedy, hf_model, model_logits, our_logits, relative_error, save_tiny_llama
 from tinyvllm import LLM, SamplingParams
 
 CONFIGS = {
@@ -78,22 +78,30 @@ def test_each_layer_computes_attention_through_the_metadata_once(engines):
 
     ids = [5, 17, 99, 3, 42, 7, 200, 31, 8, 9]
     hooked = our_logits(llm, ids, attention)
-    assert calls == [layer.self_attn.k_cache.data_ptr() for layer in layers]
+    assert calls == [layer.self_attn.attn.k_cache.data_ptr() for layer in layers]
     assert torch.equal(hooked, our_logits(llm, ids))
     assert not torch.equal(hooked, our_logits(llm, ids, lambda q, *rest: torch.zeros_like(q)))
 
 
-def test_folded_norms_match_the_norm_kernels(checkpoint, monkeypatch):
+def test_folded_norms_match_the_norm_kernels(checkpoint):
     """The RMSNorm weights folded into qkv_proj and gate_up_proj (the default, LlamaForCausalLM.fold_norms: no norm
-    kernel in the layers) give the logits of the plain model, whose norms run as ops (TINYVLLM_FOLD_NORMS=0)."""
+    kernel in the layers) give the logits of the plain model, loaded without the fold, whose norms run as ops."""
+    from tinyvllm.config import ModelConfig
+    from tinyvllm.model.checkpoint import iter_safetensors
+    from tinyvllm.model.loader import build_model, load_weights
+    from tinyvllm.model.registry import model_class
+    from tinyvllm.worker.kv_cache import allocate_kv_cache
+
     ids = [5, 17, 99, 3, 42, 7, 200, 31, 8]
-    folded_llm = LLM(checkpoint, skip_tokenizer_init=True, device="cpu", num_kv_blocks=16)
-    assert folded_llm.llm_engine.engine_core.model_runner.model.model.norms_folded
-    folded = our_logits(folded_llm, ids)
-    monkeypatch.setenv("TINYVLLM_FOLD_NORMS", "0")
-    plain_llm = LLM(checkpoint, skip_tokenizer_init=True, device="cpu", num_kv_blocks=16)
-    assert not plain_llm.llm_engine.engine_core.model_runner.model.model.norms_folded
-    assert relative_error(folded, our_logits(plain_llm, ids)) < 1e-5
+    config, cpu = ModelConfig.from_hf_dir(checkpoint), torch.device("cpu")
+    folded = build_model(config, checkpoint, cpu, torch.float32, 64)
+    plain = model_class(config.architecture)(config, 64)
+    load_weights(plain, iter_safetensors(checkpoint))
+    plain.rotary.build(cpu)
+    assert folded.model.norms_folded and not plain.model.norms_folded
+    for model in (folded, plain):
+        allocate_kv_cache(model, 4, 16, torch.float32, cpu)
+    assert relative_error(model_logits(folded, ids), model_logits(plain, ids)) < 1e-5
 
 
 @pytest.mark.parametrize("dtype, folded", [(torch.bfloat16, True), (torch.float32, True), (torch.float16, False)])

@@ -46,7 +46,7 @@ def test_forced_decode_kernels_match_the_separate_ops(checkpoint: str, monkeypat
     four rows) give the hidden states and tokens of the plain path. With the projections output-major, as the
     loader keeps them on CUDA for the decode kernels, the decode steps run them on the GEMV."""
     pytest.importorskip("triton")
-    from tinyvllm.model.llama import Linear
+    from tinyvllm.model.layers import Linear
     from tinyvllm.ops.fused_linear import fused_linear_triton, fused_norm_linear_triton, linear_argmax_triton
 
     llm = tiny_llm(checkpoint, num_kv_blocks=32)

@@ -44,7 +44,7 @@ def _run(params: SamplingParams, script: list[int], tokenizer=None, per_step: in
         returned += new
         core_outputs = scheduler.update_from_output(step, ModelRunnerOutput(sampled, new, [None] * len(new)))
         outputs, stopped = processor.process(core_outputs)
-        for request_id, index, stop in stopped:  # (what the engine core does for a stop string)
+        for _, _, stop in stopped:  # (what the engine core does for a stop string)
             scheduler.finish(scheduler.seqs[0], "stop", stop)
         final = next((o for o in outputs if o.finished), None)
     assert not scheduler.running and not scheduler.waiting

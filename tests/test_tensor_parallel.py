@@ -76,7 +76,7 @@ def prefill_then_decode(model: torch.nn.Module) -> dict[str, torch.Tensor | None
     """Logits of every prompt token of a ragged prefill, then of one decode token per sequence."""
     vocab = model.config.vocab_size
     for layer in model.model.layers:
-        attn = layer.self_attn
+        attn = layer.self_attn.attn
         shape = (NUM_BLOCKS, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim)  # this rank's KV heads
         attn.k_cache, attn.v_cache = torch.zeros(shape), torch.zeros(shape)
     prompt_ids = torch.randint(vocab, (sum(PROMPT_LENS),), generator=torch.Generator().manual_seed(0))
@@ -206,7 +206,7 @@ def test_each_rank_reads_only_its_shard(checkpoints, name, rank, monkeypatch):
     for param_name, param in model.named_parameters():
         torch.testing.assert_close(param.data, expected_shard(param_name, full, config, rank), rtol=0, atol=0)
         held += param.numel()
-    attn = model.model.layers[0].self_attn
+    attn = model.model.layers[0].self_attn.attn
     assert (attn.num_heads, attn.num_kv_heads) == (config.num_heads // SIZE, config.num_kv_heads // SIZE)
     vocab_rows = -(-config.vocab_size // SIZE)
     padding_rows = max(0, (rank + 1) * vocab_rows - config.vocab_size)

@@ -76,21 +76,24 @@ def our_logits(llm: Any, token_ids: list[int], attention: Any = None) -> torch.T
     computes attention instead of ops.paged_attention, as AttentionMetadata.attention)."""
     engine = llm.llm_engine
     runner = engine.engine_core.model_runner
-    bs = runner.block_size
-    n = len(token_ids)
-    num_blocks = (n + bs - 1) // bs
     assert engine.engine_core.block_manager.num_free_blocks == engine.engine_core.block_manager.num_blocks
-    blocks = list(range(num_blocks))
-    device = runner.device
+    return model_logits(runner.model, token_ids, runner.block_size, attention)
+
+
+@torch.inference_mode()
+def model_logits(model: Any, token_ids: list[int], block_size: int = 16, attention: Any = None) -> torch.Tensor:
+    """our_logits for a model (a CausalLM) whose attention layers hold KV pools of enough blocks (block 0 on)."""
+    device = model.lm_head_weight.device
+    n = len(token_ids)
+    blocks = list(range((n + block_size - 1) // block_size))
     meta = AttentionMetadata(
         cu_query_lens=torch.tensor([0, n], dtype=torch.int32, device=device),
         context_lens=torch.tensor([n], dtype=torch.int32, device=device),
         block_tables=torch.tensor([blocks], dtype=torch.int32, device=device),
         slot_mapping=torch.arange(n, device=device),
         max_query_len=n, max_context_len=n, attention=attention)
-    ids = torch.tensor(token_ids, device=device)
-    hidden = runner.model(ids, torch.arange(n, device=device), meta)
-    return runner.model.compute_logits(hidden).float()
+    hidden = model(torch.tensor(token_ids, device=device), torch.arange(n, device=device), meta)
+    return model.compute_logits(hidden).float()
 
 
 @torch.inference_mode()

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from tinyvllm.ops.rotary import check_rope_scaling
+
 
 class ConfigError(ValueError):
     """A model or engine setting that we cannot run, with a message that says why."""
@@ -60,6 +62,8 @@ class ModelConfig:
     dtype: torch.dtype = torch.float32
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # The whole config.json (or the GGUF's metadata as such): a family reads its own fields from it.
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -111,11 +115,10 @@ class ModelConfig:
         if scaling is not None:
             if not isinstance(scaling, dict):
                 raise ConfigError(f"'rope_scaling' must be an object, not {scaling!r}")
-            scaling = dict(scaling)
-            kind = scaling.get("rope_type", scaling.get("type", "default"))
-            if kind not in ("default", "llama3"):
-                raise ConfigError(f"rope scaling type {kind!r} is not supported (supported: default, llama3)")
-            scaling = scaling if kind == "llama3" else None
+            try:
+                scaling = check_rope_scaling(scaling)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         dtype_name = hf.get("torch_dtype", hf.get("dtype", "float32")) or "float32"
         bos = hf.get("bos_token_id")
         if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int)):
@@ -139,6 +142,7 @@ class ModelConfig:
             dtype=getattr(torch, str(dtype_name).replace("torch.", ""), torch.float32),
             bos_token_id=bos,
             eos_token_ids=_token_ids(hf.get("eos_token_id")),
+            hf_config=dict(hf),
         )
 
 

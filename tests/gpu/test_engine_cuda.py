@@ -426,7 +426,7 @@ from tinyvllm import LLM, SamplingParams
 path, dtype, kv_cache_dtype, enforce_eager, num_tokens, prompts, engine_args, logprobs = json.loads(sys.argv[1])
 llm = LLM(path, dtype=dtype, kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager, **engine_args)
 runner = llm.llm_engine.engine_core.model_runner
-attn = runner.model.model.layers[0].self_attn
+attn = runner.model.model.layers[0].self_attn.attn
 tokens, top = [], []
 if num_tokens:
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True, logprobs=logprobs)

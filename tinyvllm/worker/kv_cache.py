@@ -1,4 +1,5 @@
-"""How many KV-cache blocks the pool gets: an explicit num_kv_blocks, else what memory allows.
+"""The KV cache is the runner's: how many blocks the pool gets (an explicit num_kv_blocks, else what memory allows),
+and each of the model's attention layers' pools (CausalLM.attention_layers), allocated here.
 
 kv_cache_memory, when given, is the cache's size. Otherwise, on CUDA, the largest step the scheduler can
 produce is run once to measure its peak activations, and the cache gets whatever gpu_memory_utilization
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.distributed import TensorParallel
+from tinyvllm.model.interface import CausalLM
 from tinyvllm.ops import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -25,11 +27,25 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
 
 
-def decide_num_blocks(model: torch.nn.Module, config: EngineConfig, device: torch.device, cache_dtype: torch.dtype,
+def kv_cache_bytes_per_block(model: CausalLM, block_size: int, cache_dtype: torch.dtype) -> int:
+    """K and V of every attention layer for one block of tokens, on this rank (its share of the KV heads), in the
+    cache's dtype (float8 e4m3 for kv_cache_dtype="fp8": a byte an element)."""
+    return sum(layer.bytes_per_block(block_size, cache_dtype) for layer in model.attention_layers())
+
+
+def allocate_kv_cache(model: CausalLM, num_blocks: int, block_size: int, cache_dtype: torch.dtype,
+                      device: torch.device) -> None:
+    """Give every attention layer its K and V pools of num_blocks blocks (0: drop them, to measure memory without
+    them), in `cache_dtype` (the model's, or float8 e4m3: the ops convert on store and load)."""
+    for layer in model.attention_layers():
+        layer.allocate(num_blocks, block_size, cache_dtype, device)
+
+
+def decide_num_blocks(model: CausalLM, config: EngineConfig, device: torch.device, cache_dtype: torch.dtype,
                       max_blocks_per_seq: int, tp: TensorParallel) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    bytes_per_block = model.kv_cache_bytes_per_block(config.block_size, cache_dtype)
+    bytes_per_block = kv_cache_bytes_per_block(model, config.block_size, cache_dtype)
     enough = config.max_num_seqs * max_blocks_per_seq  # more is never used
     budget = config.kv_cache_memory_bytes()
     if budget is not None:
@@ -60,13 +76,13 @@ def _available_memory() -> int:
 
 
 @torch.inference_mode()
-def _profile_num_blocks(model: torch.nn.Module, config: EngineConfig, device: torch.device, cache_dtype: torch.dtype,
+def _profile_num_blocks(model: CausalLM, config: EngineConfig, device: torch.device, cache_dtype: torch.dtype,
                         max_blocks_per_seq: int) -> int:
     bs = config.block_size
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     num_tokens = config.max_num_batched_tokens
-    model.allocate_kv_cache(blocks_needed(num_tokens, bs), bs, cache_dtype, device)  # (the step's own kernels run)
+    allocate_kv_cache(model, blocks_needed(num_tokens, bs), bs, cache_dtype, device)  # (the step's own kernels run)
     seq_len = min(num_tokens, max_blocks_per_seq * bs)
     num_seqs = (num_tokens + seq_len - 1) // seq_len
     lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
@@ -86,14 +102,14 @@ def _profile_num_blocks(model: torch.nn.Module, config: EngineConfig, device: to
     model.compute_logits(hidden[: min(num_tokens, config.max_num_seqs)])
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated(device)
-    model.allocate_kv_cache(0, bs, cache_dtype, device)
+    allocate_kv_cache(model, 0, bs, cache_dtype, device)
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
     # Memory other processes (and the CUDA context) hold counts against us too.
     free_now, _ = torch.cuda.mem_get_info(device)
     used_by_others = total - free_now - torch.cuda.memory_reserved(device)
     available = total * config.gpu_memory_utilization - peak - max(used_by_others, 0)
-    bytes_per_block = model.kv_cache_bytes_per_block(bs, cache_dtype)
+    bytes_per_block = kv_cache_bytes_per_block(model, bs, cache_dtype)
     num_blocks = int(available // bytes_per_block)
     if num_blocks < 1:
         raise ValueError(

@@ -18,11 +18,12 @@ from tinyvllm import ops
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.contract import SchedulerOutput, SequenceError
 from tinyvllm.distributed import TensorParallel
+from tinyvllm.model.interface import CausalLM
 from tinyvllm.ops import AttentionMetadata
 from tinyvllm.ops.cascade_attention import common_prefix_len, use_cascade_attention
 from tinyvllm.worker.cuda_graphs import CudaGraphs, PiecewiseCudaGraphs, size_ladder
 from tinyvllm.worker.input_batch import LOGPROBS, MIN_TOKENS, PENALTIES, InputBatch
-from tinyvllm.worker.kv_cache import decide_num_blocks
+from tinyvllm.worker.kv_cache import allocate_kv_cache, decide_num_blocks
 from tinyvllm.worker.sampler import AsyncModelRunnerOutput, Sampler, SamplingTensors, step_seeds
 from tinyvllm.worker.staging import Staging, broadcast_step, broadcast_stop, receive_step, views
 
@@ -85,7 +86,7 @@ class _Executed:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
+    def __init__(self, model: CausalLM, model_config: ModelConfig, config: EngineConfig,
                  device: torch.device, dtype: torch.dtype, max_model_len: int,
                  tp: TensorParallel = TensorParallel()) -> None:
         self.model = model
@@ -100,7 +101,7 @@ class ModelRunner:
         # The model's dtype, or float8 e4m3 (kv_cache_dtype="fp8": half the bytes per block, twice the blocks)
         self.kv_cache_dtype = config.resolve_kv_cache_dtype(dtype)
         self.num_blocks = decide_num_blocks(model, config, device, self.kv_cache_dtype, self.max_blocks_per_seq, tp)
-        model.allocate_kv_cache(self.num_blocks, self.block_size, self.kv_cache_dtype, device)
+        allocate_kv_cache(model, self.num_blocks, self.block_size, self.kv_cache_dtype, device)
         self.input_batch = InputBatch(2 * config.max_num_seqs, self.max_blocks_per_seq)
         fail_token = os.environ.get(FAIL_TOKEN_VARIABLE)
         self.fail_token = int(fail_token) if fail_token else None

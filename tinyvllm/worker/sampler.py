@@ -73,7 +73,7 @@ class SamplingTensors:
     @property
     def needs_logits(self) -> bool:
         """Whether a row samples, or asks for logprobs, penalties or min_tokens: else the greedy tokens alone
-        will do, and the model may take them without writing logits (LlamaForCausalLM.greedy_tokens)."""
+        will do, and the model may take them without writing logits (CausalLM.greedy_tokens)."""
         return not self.all_greedy or self.needs_host_pass
 
     def with_tensors(self, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
