@@ -37,7 +37,7 @@
 --sweep also times alternative launch configurations: attention tiles, warps, stages and splits; RMSNorm
 rows per program and warps beside a copy with the same grid; without --quick, sampling chunk sizes.
 Naming a family sweeps only it; --sweep-only skips the tables. --gemv-sweep also times alternative skinny
-matmul tiles, splits, warps and split-K reduces (compiled first in parallel worker processes).
+matmul tiles, splits and warps (compiled first in parallel worker processes).
 """
 
 from __future__ import annotations
@@ -764,8 +764,7 @@ def gemv_config(name: str, m: int) -> SkinnyConfig:
 
 def describe(config: SkinnyConfig) -> str:
     c = config
-    text = f"{c.block_m}x{c.block_n}x{c.block_k} split {c.split_k} w{c.num_warps} s{c.num_stages}"
-    return text + (f" {c.reduce}" if c.split_k > 1 and c.reduce != "serial" else "")
+    return f"{c.block_m}x{c.block_n}x{c.block_k} split {c.split_k} w{c.num_warps} s{c.num_stages}"
 
 
 def graph_us(fn: Callable[[], object], calls: int, estimate_us: float) -> float:
@@ -899,8 +898,7 @@ def bench_gemv(ceiling: float) -> dict[tuple[str, int], tuple[float, float]]:
 
 def gemv_candidates(name: str, m: int) -> list[SkinnyConfig]:
     """Alternatives to the wrapper's config for the sweep: dot tiles with splits around each tile's own,
-    warps and stages; at M = 1 CUDA-core GEMV tiles (two warps or four) too; where K is split at M <= 4, the
-    other two reduces."""
+    warps and stages; at M = 1 CUDA-core GEMV tiles (two warps or four) too."""
     n, k = GEMV_SHAPES[name]
     k_contiguous = name == "lm_head"
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
@@ -930,8 +928,6 @@ def gemv_candidates(name: str, m: int) -> list[SkinnyConfig]:
                       else [(128, 64, 2), (128, 64, 4), (128, 128, 4), (64, 128, 2), (256, 64, 4), (128, 128, 8)])
         for block_n, block_k, warps in gemv_tiles:
             around(1, block_n, block_k, warps)
-    if default.split_k > 1 and m <= 4:
-        configs += [default._replace(reduce="two_pass"), default._replace(reduce="atomic")]
     return list(dict.fromkeys(configs))
 
 

@@ -368,7 +368,8 @@ def graph_step_ms(path: str, batch: int, context: int, **engine_args) -> float:
 
 
 # The ops part 5 knocks out: what the model calls (tinyvllm.ops.<name>) and a stand-in that launches nothing. The
-# fused add + RMSNorm runs only where the norms are not folded (TINYVLLM_FOLD_NORMS=0, or the decode kernels' rows).
+# fused add + RMSNorm runs only where the norms are not folded (tensor parallelism, biases, float16, the decode
+# kernels' rows).
 KNOCKOUTS = {
     "RoPE + KV store": ("rope_store", lambda qkv, rope, norm=None: qkv),
     "SiLU·mul": ("silu_and_mul", lambda x, norm=None: x[..., : x.shape[-1] // 2]),

@@ -4,7 +4,7 @@
 # Parts: tests, latency, throughput, shared-prefix, serve, serve-floor (default: all, in that order), and for the
 # float8 KV cache (kv_cache_dtype="fp8"): throughput-fp8 (throughput-256 with it: run it beside throughput to
 # compare), tests-fp8 (the GPU tests of its kernels and engine), kernels-fp8 (decode attention on it) and sweep-fp8
-# (its decode tiles), throughput-fp8-token-major (throughput-fp8 with the pools token-major, TINYVLLM_KV_HEAD_MAJOR=0);
+# (its decode tiles);
 # products-256 (cuBLAS and our Triton tiles at a 128- and 256-sequence step's rows); sampling (the sampling table)
 # and tests-sampling (the sampler's GPU tests), e.g.
 #     bash scripts/gpu_check.sh tests latency
@@ -29,14 +29,12 @@ for part in "${parts[@]}"; do
         throughput-fp8) command=("$python" benchmarks/throughput.py --trace --no-peer --kv-cache-dtype fp8) ;;
         tests-fp8) command=("$python" -m pytest -q -m cuda -p no:cacheprovider tests/gpu -k fp8) ;;
         kernels-fp8) command=("$python" benchmarks/bench_kernels.py --kv-cache-dtype fp8) ;;
-        throughput-fp8-token-major) command=(env TINYVLLM_KV_HEAD_MAJOR=0 "$python" benchmarks/throughput.py --trace
-                                            --no-peer --kv-cache-dtype fp8) ;;
         sweep-fp8) command=("$python" benchmarks/bench_kernels.py --sweep decode --sweep-only --kv-cache-dtype fp8) ;;
         products-256) command=("$python" benchmarks/bench_kernels.py --gemv --gemv-sweep --batches 128,256) ;;
         sampling) command=("$python" benchmarks/bench_kernels.py --sampling) ;;
         tests-sampling) command=("$python" -m pytest -q -m cuda -p no:cacheprovider tests/gpu -k sample) ;;
         *) echo "unknown part: $part (tests, latency, throughput, shared-prefix, serve, serve-floor," \
-                "throughput-fp8, tests-fp8, kernels-fp8, sweep-fp8, throughput-fp8-token-major, products-256," \
+                "throughput-fp8, tests-fp8, kernels-fp8, sweep-fp8, products-256," \
                 "sampling, tests-sampling)" >&2
            exit 2 ;;
     esac

@@ -94,18 +94,6 @@ def test_fused_linear_entry_points_pick_it(monkeypatch: pytest.MonkeyPatch) -> N
         assert len(launches) == (2 if gemv else 0), (m, w.stride())
 
 
-def test_decode_kernel_rows_override() -> None:
-    """TINYVLLM_DECODE_KERNEL_ROWS sets entries of the table (for an end-to-end A/B) and refuses what it cannot read."""
-    from tinyvllm.ops import _override_decode_kernel_rows
-
-    table = {"qkv": 1, "o": 4, "lm_head": 64}
-    assert _override_decode_kernel_rows(table, "") == table
-    assert _override_decode_kernel_rows(table, "qkv=0, o=0") == {"qkv": 0, "o": 0, "lm_head": 64}
-    for bad in ("qvk=1", "o=four", "o"):
-        with pytest.raises(ValueError, match="TINYVLLM_DECODE_KERNEL_ROWS"):
-            _override_decode_kernel_rows(table, bad)
-
-
 def _rope_case(m: int, seed: int, kv_heads: int = 1) -> tuple[Any, ...]:
     """A qkv product of 4 q heads and `kv_heads` KV heads of dim 8 (one: 48 outputs, 24 pairs of head halves, not a
     power of two), a cache of 3 blocks of 4 slots with random contents, and slots that include -1 (a padding row:

@@ -1,13 +1,11 @@
 """The engine end to end on a CUDA GPU, on the Llama-3.2-1B-shaped random-weight model (bench_offline.LLAMA_1B):
 
 1. its logits against transformers' (float32) on the same GPU, with ours in bfloat16 and in float32;
-2. greedy generation (4 prompts x 64 tokens) along five paths, each in a fresh process: the Triton kernels with
-   CUDA graphs and async scheduling (the default fast path), with CUDA graphs only, the same without the fused
-   decode kernels (TINYVLLM_SKINNY=0: cuBLAS and the separate norm, SiLU and sampling kernels), eager, and the
-   reference ops (TINYVLLM_REFERENCE_OPS=1, eager). Each run is checked to have taken the path it names. In
-   float32 every path gives the same tokens as the eager Triton run (and that one as the reference ops, and the
-   graphs with the decode kernels as those without). In bfloat16 the
-   paths round differently and random weights give near-ties, so a flip is expected somewhere: identical
+2. greedy generation (4 prompts x 64 tokens) along four paths, each in a fresh process: the Triton kernels with
+   CUDA graphs and async scheduling (the default fast path), with CUDA graphs only, eager, and the reference ops
+   (the test hook TINYVLLM_REFERENCE_OPS=1, eager). Each run is checked to have taken the path it names. In
+   float32 every path gives the same tokens as the eager Triton run (and that one as the reference ops). In
+   bfloat16 the paths round differently and random weights give near-ties, so a flip is expected somewhere: identical
    tokens pass, different ones are reported as xfail with the common prefix lengths, not judged;
 3. greedy generation of requests sharing a cached prefix with cascade attention on and off (CUDA graphs on):
    the same tokens in float32, and in bfloat16 reported as above;
@@ -47,14 +45,11 @@ LOGIT_TOLERANCE = {"bfloat16": 3e-2, "float32": 1e-4}
 PATHS = {
     "triton+graphs+async": (False, False, True),
     "triton+graphs": (False, False, False),
-    "triton+graphs, TINYVLLM_SKINNY=0": (False, False, False),
     "triton eager": (False, True, False),
     "reference ops": (True, True, False),
 }
-NO_DECODE_KERNELS = {"triton+graphs, TINYVLLM_SKINNY=0"}  # (the reference ops have none either)
 # (path, the path it must agree with)
-PAIRS = [("triton eager", "reference ops"), ("triton+graphs", "triton eager"), ("triton+graphs+async", "triton eager"),
-         ("triton+graphs", "triton+graphs, TINYVLLM_SKINNY=0")]
+PAIRS = [("triton eager", "reference ops"), ("triton+graphs", "triton eager"), ("triton+graphs+async", "triton eager")]
 
 # One greedy run in a fresh process (TINYVLLM_REFERENCE_OPS is read when tinyvllm.ops is imported; a process per
 # run also gives each engine the whole GPU). Prints RESULT and JSON: the tokens, and what the run took.
@@ -153,8 +148,7 @@ class GreedyRuns:
 
     def _run(self, dtype: str, name: str) -> dict[str, Any] | str:
         reference, eager, overlap = PATHS[name]
-        env = {**os.environ, "TINYVLLM_REFERENCE_OPS": "1" if reference else "0",
-               "TINYVLLM_SKINNY": "0" if name in NO_DECODE_KERNELS else "1"}
+        env = {**os.environ, "TINYVLLM_REFERENCE_OPS": "1" if reference else "0"}
         return run_python(GENERATE, [self.path, dtype, eager, overlap, NUM_TOKENS, PROMPTS, ENGINE_ARGS], env, 600)
 
 
@@ -175,7 +169,7 @@ def test_greedy_run_takes_its_path(greedy_runs: GreedyRuns, dtype: str, name: st
         f"{name} ({dtype}): tokens per prompt {[len(t) for t in run['tokens']]}, expected {NUM_TOKENS} each"
     assert run["triton"] == (not reference), \
         f"{name} ({dtype}): ops.triton_available() is {run['triton']}, expected {not reference}"
-    decode_kernels = not reference and name not in NO_DECODE_KERNELS
+    decode_kernels = not reference
     assert run["decode_kernels"] == decode_kernels, \
         f"{name} ({dtype}): the fused decode kernels {'on' if run['decode_kernels'] else 'off'}, expected " \
         f"{'on' if decode_kernels else 'off'}"

@@ -11,7 +11,7 @@ depend on the kernel before, so each program here loads its whole slab of W (16 
 so no split-K and no reduction across programs) into registers first, and only then waits for the kernel
 before (programmatic dependent launch, ops/pdl.py) to read x. Launched with PDL, the weight stream of one
 product runs under the tail of the kernel before it: a layer becomes one stream of weight reads rather than
-four ramps. Without PDL (before Hopper, or TINYVLLM_PDL=0) the kernel is a plain GEMV.
+four ramps. Without PDL (before Hopper) the kernel is a plain GEMV.
 
 Per program: rows n0 .. n0 + BLOCK_N of W (SILU_MUL: gate rows n and up rows N + n, as the merged gate_up
 weight holds them; ROPE: pairs, rows j and j + D/2 of a head, so that the program rotates what it computed), all

@@ -27,13 +27,6 @@ except ImportError:  # the CPU engine imports the reference on machines without 
 
 from tinyvllm.ops.pdl import pdl_options, pdl_wait
 
-# How the split-K partials become y (SkinnyConfig.reduce; ignored when split_k == 1):
-#   "serial":   in the same launch, the last program of a tile sums the partials in split order (deterministic);
-#   "two_pass": a second kernel sums them (deterministic, one more launch);
-#   "atomic":   float32 atomic adds into a zeroed buffer, then a cast (three launches; the order of the
-#               adds, hence the rounding, varies from run to run). Kept to measure against "serial".
-_REDUCE_CODES = {"serial": 1, "two_pass": 2, "atomic": 3}
-
 
 class SkinnyConfig(NamedTuple):
     """Launch parameters of one product. block_m == 1 selects the GEMV path (M must be 1)."""
@@ -44,7 +37,6 @@ class SkinnyConfig(NamedTuple):
     split_k: int
     num_warps: int = 4
     num_stages: int = 3
-    reduce: str = "serial"
 
 
 def skinny_matmul_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -97,16 +89,16 @@ if triton is not None:
     # columns n0 .. n0 + BLOCK_N and the k range [k0, k0 + k_per_split):
     #   GEMV (BLOCK_M == 1):  acc[k, n] += x[k] * W[n, k] per step, summed over k once at the end;
     #   dot  (BLOCK_M >= 16): acc[m, n] += x[m, k-tile] @ W^T[k-tile, n].
-    # SPLIT_K == 1 stores y; otherwise the partial goes to partial[split, m, n] and REDUCE says how the
-    # splits are summed. Serial: after a CTA barrier, one thread's acq_rel atomic counts the tile's arrivals
-    # (the pattern of CUTLASS's split-K semaphore: barrier, then a release by one thread); the program that
-    # arrives last reads the SPLIT_K partials from L2, in split order, stores y and resets the counter.
+    # SPLIT_K == 1 stores y; otherwise the partial goes to partial[split, m, n], and after a CTA barrier one
+    # thread's acq_rel atomic counts the tile's arrivals (the pattern of CUTLASS's split-K semaphore: barrier, then
+    # a release by one thread); the program that arrives last reads the SPLIT_K partials from L2, in split order
+    # (deterministic), stores y and resets the counter.
     @triton.jit(do_not_specialize=["M"])  # the batch varies per step: one compile for every M
     def _skinny_matmul_kernel(
         y_ptr, x_ptr, w_ptr, partial_ptr, counter_ptr,
         M, N, K, stride_xm, stride_ym, stride_w, k_per_split,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        W_K_CONTIGUOUS: tl.constexpr, REDUCE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+        W_K_CONTIGUOUS: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         pdl_wait(USE_PDL)
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -143,40 +135,25 @@ if triton is not None:
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
         if SPLIT_K == 1:
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-        elif REDUCE == 3:  # atomic
-            tl.atomic_add(partial_ptr + offs_m[:, None] * N + offs_n[None, :], acc, mask=out_mask, sem="relaxed")
         else:
             mn = offs_m[:, None] * N + offs_n[None, :]
             tl.store(partial_ptr + pid_k * M * N + mn, acc, mask=out_mask)
-            if REDUCE == 1:  # serial
-                tl.debug_barrier()  # every thread's partial stored before the release below
-                tile = pid_m * tl.num_programs(0) + pid_n
-                arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
-                if arrived == SPLIT_K - 1:
-                    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    for s in tl.static_range(SPLIT_K):
-                        total += tl.load(partial_ptr + s * M * N + mn, mask=out_mask, other=0.0, cache_modifier=".cg")
-                    tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-                    tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next launch
-
-    # y[i] = sum_s partial[s, i] (the two-pass reduce), in split order.
-    @triton.jit
-    def _split_sum_kernel(y_ptr, partial_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
-                          USE_PDL: tl.constexpr):
-        pdl_wait(USE_PDL)
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
-        total = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s in tl.static_range(SPLIT_K):
-            total += tl.load(partial_ptr + s * numel + offs, mask=mask, other=0.0)
-        tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.debug_barrier()  # every thread's partial stored before the release below
+            tile = pid_m * tl.num_programs(0) + pid_n
+            arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):
+                    total += tl.load(partial_ptr + s * M * N + mn, mask=out_mask, other=0.0, cache_modifier=".cg")
+                tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next launch
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def _counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The serial reduce's arrival counters, one per output tile, zero between launches (the last program of
+    """The split-K reduce's arrival counters, one per output tile, zero between launches (the last program of
     each tile resets its own). One buffer per device, shared by every launch: products on one stream run
     one after the other (PDL too waits for the kernel before), but two products running at once on two
     streams must not both split K."""
@@ -220,26 +197,14 @@ def skinny_matmul_triton(
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)  # rounding k_per_split up can leave fewer splits than asked
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
-    reduce = _REDUCE_CODES[cfg.reduce] if split > 1 else 0
-    if reduce == 3:
-        partial = torch.zeros((m, n), dtype=torch.float32, device=x.device)
-    elif reduce:
-        partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    else:
-        partial = out
-    counters = _counters(x.device, grid[0] * grid[2]) if reduce == 1 else out
+    partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    counters = _counters(x.device, grid[0] * grid[2]) if split > 1 else out
     pdl = pdl_options(x2)
     _skinny_matmul_kernel[grid](
         out, x2, weight, partial, counters,
         m, n, k, x2.stride(0), out.stride(0), stride_w, k_per_split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, W_K_CONTIGUOUS=k_contiguous,
-        REDUCE=reduce, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
-    if reduce == 2:
-        block = 1024
-        _split_sum_kernel[(triton.cdiv(m * n, block),)](out, partial, m * n, SPLIT_K=split, BLOCK=block,
-                                                        num_warps=4, **pdl)
-    elif reduce == 3:
-        out.copy_(partial)
     return out.reshape(*x.shape[:-1], n)

@@ -9,7 +9,7 @@ every program; cuBLAS's kernels launch without PDL): what only earlier kernels o
 batch's layout, older tokens' K/V) may be read before the wait. Results are those of plain launches; only the
 launch latency and those reads overlap the kernel before, which shortens a batch-1 decode graph (figures, PDL
 on and off: benchmarks/RESULTS.md).
-cuBLAS kernels launch as before. TINYVLLM_PDL=0 turns it off (to measure it, or to rule it out)."""
+cuBLAS kernels launch as before."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def runs_ptx(t: torch.Tensor) -> bool:
 
 @functools.cache
 def _supported(device_index: int) -> bool:
-    if gdc_wait is None or os.environ.get("TINYVLLM_PDL", "1") == "0":
+    if gdc_wait is None:
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
