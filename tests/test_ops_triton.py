@@ -345,15 +345,18 @@ def test_decode_combine_rounding_does_not_depend_on_heads_per_program(monkeypatc
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn], ids=["float32", "fp8"])
-def test_kernels_on_a_head_major_pool(cache_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernels_on_a_head_major_pool(cache_dtype: torch.dtype) -> None:
     """The kernels address the pool through its strides: a pool stored [blocks, heads, block_size, head_dim]
     (ops.kv_pool's default layout) gets the same values from the stores (the RoPE + KV-store kernel
     and store_kv_ref), and gives decode and prefill attention the same bits."""
     import tinyvllm.ops as ops
 
     def pools(head_major: bool, like: torch.Tensor) -> list[torch.Tensor]:
-        monkeypatch.setattr(ops, "_KV_HEAD_MAJOR", head_major)
-        made = [ops.kv_pool(*like.shape[1:], cache_dtype, torch.device("cpu")) for _ in range(2)]
+        """Two pools (K, V) holding `like`'s values: ops.kv_pool's (head-major), or plain token-major tensors."""
+        if head_major:
+            made = [ops.kv_pool(*like.shape[1:], cache_dtype, torch.device("cpu")) for _ in range(2)]
+        else:
+            made = [torch.zeros(like.shape[1:], dtype=cache_dtype) for _ in range(2)]
         for pool, values in zip(made, like):
             pool.copy_(values.to(cache_dtype))
         return made
