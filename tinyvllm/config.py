@@ -358,6 +358,21 @@ class EngineConfig:
         return names[self.dtype]
 
 
+@dataclass(frozen=True)
+class Config:
+    """Everything the engine core, its tensor-parallel workers and the model runner are built from, resolved once
+    (nano-vllm's Config, vLLM's VllmConfig): the engine's arguments, the model's architecture and where its files
+    are, the device, the dtype and the context length. LLMEngine resolves it (llm_engine.resolve_config); the others
+    take it as it is."""
+
+    engine: EngineConfig
+    model: ModelConfig
+    model_path: str
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+
+
 def check_fp8_capability(capability: tuple[int, int], kv_cache_dtype: str = "fp8") -> None:
     """Raise ConfigError unless a GPU of this compute capability runs the float8 KV cache's kernels."""
     if tuple(capability) < FP8_MIN_CAPABILITY:

@@ -21,9 +21,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-import torch
-
-from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.config import Config
 from tinyvllm.contract import EngineCoreOutputs
 from tinyvllm.sampling_params import SamplingParams
 
@@ -37,8 +35,7 @@ class EngineCoreDeadError(RuntimeError):
     """The engine core's process is gone: nothing can be served any more."""
 
 
-def _core_main(config: EngineConfig, model_config: ModelConfig, model_path: str, device: str, dtype: torch.dtype,
-               max_model_len: int, conns: list[Connection]) -> None:
+def _core_main(config: Config, conns: list[Connection]) -> None:
     """The core process: build the EngineCore, then take commands and step until told to stop. Each of `conns`
     leads to one API process (several with --api-server-count): a request's outputs go back to the one that
     added it. The core stops on "stop", or once every connection has closed."""
@@ -53,7 +50,7 @@ def _core_main(config: EngineConfig, model_config: ModelConfig, model_path: str,
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     server = _CoreServer(conns)
     try:
-        core = EngineCore(config, model_config, model_path, torch.device(device), dtype, max_model_len)
+        core = EngineCore(config)
     except BaseException as e:  # a ValueError is the user's to fix (a bad checkpoint, say): its message suffices
         message = str(e) if isinstance(e, ValueError) else traceback.format_exc()
         server.broadcast(("error", message, isinstance(e, ValueError)))
@@ -175,16 +172,14 @@ class _CoreServer:
                 self.live.remove(conn)
 
 
-def start_engine_core(config: EngineConfig, model_config: ModelConfig, model_path: str, device: torch.device,
-                      dtype: torch.dtype, max_model_len: int,
+def start_engine_core(config: Config,
                       num_clients: int = 1) -> tuple[multiprocessing.process.BaseProcess, list[Connection]]:
     """Start the core process; its process and one connection per client (an EngineCoreClient each)."""
     ctx = multiprocessing.get_context("spawn")
     pipes = [ctx.Pipe() for _ in range(num_clients)]
     # Not a daemon: the core starts tensor-parallel ranks of its own. It dies with this process (PDEATHSIG).
     process = ctx.Process(target=_core_main, name="tinyvllm-engine-core", daemon=False,
-                          args=(config, model_config, model_path, str(device), dtype, max_model_len,
-                                [core_end for _, core_end in pipes]))
+                          args=(config, [core_end for _, core_end in pipes]))
     process.start()
     for _, core_end in pipes:
         core_end.close()  # (only the core holds these now: it sees EOF when a client goes, a client when it goes)
@@ -208,9 +203,8 @@ class EngineCoreClient:
         self.kv_capacity_tokens, self._stats = rest
 
     @classmethod
-    def start(cls, config: EngineConfig, model_config: ModelConfig, model_path: str, device: torch.device,
-              dtype: torch.dtype, max_model_len: int) -> EngineCoreClient:
-        process, (conn,) = start_engine_core(config, model_config, model_path, device, dtype, max_model_len)
+    def start(cls, config: Config) -> EngineCoreClient:
+        process, (conn,) = start_engine_core(config)
         return cls(conn, process)
 
     # ---- the EngineCore interface ------------------------------------------------------------------

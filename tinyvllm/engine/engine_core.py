@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tinyvllm.config import ConfigError, EngineConfig, ModelConfig, check_tensor_parallel_size
+from tinyvllm.config import Config, ConfigError, check_tensor_parallel_size
 from tinyvllm.contract import EngineCoreOutputs, SchedulerOutput, SequenceError, StepStats
 from tinyvllm.distributed import ONE_GPU, TensorParallel, destroy_tensor_parallel, init_tensor_parallel
 from tinyvllm.engine.block_manager import BlockManager
@@ -46,15 +46,15 @@ class _Launched:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: str, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int) -> None:
-        self.config = config
-        self.model_config = model_config
-        self.device = device
-        tp, self.workers = self._start_tensor_parallel(model_path, dtype, max_model_len)
+    def __init__(self, resolved: Config) -> None:
+        self.config = config = resolved.engine
+        self.model_config = model_config = resolved.model
+        self.device = device = resolved.device
+        tp, self.workers = self._start_tensor_parallel(resolved)
         try:
-            model = build_model(model_config, model_path, device, dtype, max_model_len, tp=tp)
-            self.model_runner = ModelRunner(model, model_config, config, device, dtype, max_model_len, tp)
+            model = build_model(model_config, resolved.model_path, device, resolved.dtype, resolved.max_model_len,
+                                tp=tp)
+            self.model_runner = ModelRunner(model, resolved, tp)
         except BaseException:
             if self.workers is not None:
                 self.workers.shutdown(timeout_s=0)
@@ -63,7 +63,7 @@ class EngineCore:
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   max_model_len, config.scheduling)
+                                   resolved.max_model_len, config.scheduling)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
         self._errors: dict[str, str] = {}  # requests failed since the last outputs (EngineCoreOutputs.errors)
@@ -75,8 +75,7 @@ class EngineCore:
         self.record_gpu_time = False  # time each step on the device for the step callbacks (costs a sync)
         self.num_generation_tokens = 0
 
-    def _start_tensor_parallel(self, model_path: str, dtype: torch.dtype,
-                               max_model_len: int) -> tuple[TensorParallel, TensorParallelWorkers | None]:
+    def _start_tensor_parallel(self, resolved: Config) -> tuple[TensorParallel, TensorParallelWorkers | None]:
         """With tensor_parallel_size N > 1: start ranks 1..N-1 and join their group as rank 0."""
         size = self.config.tensor_parallel_size
         if size == 1:
@@ -86,7 +85,7 @@ class EngineCore:
             raise ConfigError("a tensor-parallel engine is already running in this process (torch.distributed is "
                               "initialized): call its llm_engine.shutdown() first")
         init_method = free_tcp_init_method()
-        workers = TensorParallelWorkers(self.config, model_path, self.device, dtype, max_model_len, init_method)
+        workers = TensorParallelWorkers(resolved, init_method)
         try:
             return init_tensor_parallel(0, size, init_method, self.device), workers
         except BaseException:

@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.config import Config, EngineConfig
 from tinyvllm.contract import EngineCoreOutputs
 from tinyvllm.engine.core_client import EngineCoreClient
 from tinyvllm.engine.engine_core import EngineCore, StepCallback
@@ -26,35 +23,21 @@ from tinyvllm.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class ModelSetup:
-    """What an engine core is built from, resolved from an EngineConfig (shared by LLMEngine and the launcher
-    of several API servers, which starts the core for them)."""
-
-    model_path: str
-    model_config: ModelConfig
-    device: torch.device
-    dtype: torch.dtype
-    max_model_len: int
-    tokenizer: Any
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> ModelSetup:
-        model_path = resolve_model_path(config.model)
-        model_config = load_model_config(model_path)
-        device = config.resolve_device()
-        dtype = config.resolve_dtype(model_config.dtype, device)
-        limit = model_config.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context of {limit} tokens")
-        tokenizer = None if config.skip_tokenizer_init else load_tokenizer(model_path)
-        if not model_config.eos_token_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
-            model_config.eos_token_ids = [tokenizer.eos_token_id]
-        return cls(model_path, model_config, device, dtype, config.max_model_len or limit, tokenizer)
-
-    def core_args(self) -> tuple[ModelConfig, str, torch.device, torch.dtype, int]:
-        """EngineCore's arguments after the EngineConfig."""
-        return self.model_config, self.model_path, self.device, self.dtype, self.max_model_len
+def resolve_config(config: EngineConfig) -> tuple[Config, Any]:
+    """The engine's resolved Config (the model's path and architecture, device, dtype, context length) and its
+    tokenizer (None with skip_tokenizer_init). Shared by LLMEngine and the launcher of several API servers, which
+    starts the core for them; a bad model path or config is refused here, before anything starts."""
+    model_path = resolve_model_path(config.model)
+    model_config = load_model_config(model_path)
+    device = config.resolve_device()
+    dtype = config.resolve_dtype(model_config.dtype, device)
+    limit = model_config.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > limit:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context of {limit} tokens")
+    tokenizer = None if config.skip_tokenizer_init else load_tokenizer(model_path)
+    if not model_config.eos_token_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+        model_config.eos_token_ids = [tokenizer.eos_token_id]
+    return Config(config, model_config, model_path, device, dtype, config.max_model_len or limit), tokenizer
 
 
 class LLMEngine:
@@ -63,17 +46,16 @@ class LLMEngine:
         does, so that its event loop and the model steps share no GIL). core_connection: use the core another
         process started (engine/core_client.start_engine_core), through this connection."""
         self.config = config
-        setup = ModelSetup.from_config(config)
-        self.model_path, self.model_config, self.device = setup.model_path, setup.model_config, setup.device
-        self.max_model_len = setup.max_model_len
-        self.tokenizer: Any = setup.tokenizer
+        resolved, self.tokenizer = resolve_config(config)
+        self.model_path, self.model_config, self.device = resolved.model_path, resolved.model, resolved.device
+        self.max_model_len = resolved.max_model_len
         self.engine_core: EngineCore | EngineCoreClient
         if core_connection is not None:
             self.engine_core = EngineCoreClient(core_connection)
         elif core_process:
-            self.engine_core = EngineCoreClient.start(config, *setup.core_args())
+            self.engine_core = EngineCoreClient.start(resolved)
         else:
-            self.engine_core = EngineCore(config, *setup.core_args())
+            self.engine_core = EngineCore(resolved)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                               self.engine_core.kv_capacity_tokens, config.max_n)
         self.output_processor = OutputProcessor(self.tokenizer)

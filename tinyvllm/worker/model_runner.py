@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tinyvllm import ops
-from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.config import Config
 from tinyvllm.contract import SchedulerOutput, SequenceError
 from tinyvllm.distributed import TensorParallel
 from tinyvllm.model.interface import CausalLM
@@ -86,17 +86,15 @@ class _Executed:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, model_config: ModelConfig, config: EngineConfig,
-                 device: torch.device, dtype: torch.dtype, max_model_len: int,
-                 tp: TensorParallel = TensorParallel()) -> None:
+    def __init__(self, model: CausalLM, resolved: Config, tp: TensorParallel = TensorParallel()) -> None:
         self.model = model
         self.tp = tp
-        self.model_config = model_config
-        self.config = config
-        self.device = device
-        self.dtype = dtype
+        self.model_config = model_config = resolved.model
+        self.config = config = resolved.engine
+        self.device = device = resolved.device
+        self.dtype = dtype = resolved.dtype
         self.block_size = config.block_size
-        self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
+        self.max_blocks_per_seq = (resolved.max_model_len + self.block_size - 1) // self.block_size
         self.sampler = Sampler(model_config.vocab_size, device)
         # The model's dtype, or float8 e4m3 (kv_cache_dtype="fp8": half the bytes per block, twice the blocks)
         self.kv_cache_dtype = config.resolve_kv_cache_dtype(dtype)

@@ -10,6 +10,7 @@ its exit code instead of leaving rank 0 waiting in a collective; a worker whose 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import signal
 import socket
@@ -17,10 +18,9 @@ import sys
 import traceback
 from typing import Any
 
-import torch
 import torch.multiprocessing as mp
 
-from tinyvllm.config import EngineConfig
+from tinyvllm.config import Config
 
 logger = logging.getLogger(__name__)
 
@@ -40,21 +40,19 @@ def die_with_parent() -> None:
             pass
 
 
-def worker_main(rank: int, config: EngineConfig, model_path: str, device: str, dtype: torch.dtype,
-                max_model_len: int, init_method: str, errors: Any) -> None:
+def worker_main(rank: int, config: Config, init_method: str, errors: Any) -> None:
     """A rank > 0: join the group, build this rank's shard and runner, then run steps until told to stop."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops the ranks
     from tinyvllm.distributed import destroy_tensor_parallel, init_tensor_parallel, rank_device
-    from tinyvllm.model.loader import build_model, load_model_config
+    from tinyvllm.model.loader import build_model
     from tinyvllm.worker.model_runner import ModelRunner
 
     try:
-        torch_device = rank_device(rank, torch.device(device))
-        tp = init_tensor_parallel(rank, config.tensor_parallel_size, init_method, torch_device)
-        model_config = load_model_config(model_path)
-        model = build_model(model_config, model_path, torch_device, dtype, max_model_len, tp=tp)
-        runner = ModelRunner(model, model_config, config, torch_device, dtype, max_model_len, tp)
+        config = dataclasses.replace(config, device=rank_device(rank, config.device))
+        tp = init_tensor_parallel(rank, config.engine.tensor_parallel_size, init_method, config.device)
+        model = build_model(config.model, config.model_path, config.device, config.dtype, config.max_model_len, tp=tp)
+        runner = ModelRunner(model, config, tp)
         runner.serve_steps()
         destroy_tensor_parallel()
     except BaseException:
@@ -65,15 +63,13 @@ def worker_main(rank: int, config: EngineConfig, model_path: str, device: str, d
 class TensorParallelWorkers:
     """Ranks 1..N-1 of a tensor-parallel engine."""
 
-    def __init__(self, config: EngineConfig, model_path: str, device: torch.device, dtype: torch.dtype,
-                 max_model_len: int, init_method: str) -> None:
+    def __init__(self, config: Config, init_method: str) -> None:
         ctx = mp.get_context("spawn")
         self._errors = ctx.Queue()
         self.processes = [
             ctx.Process(target=worker_main, name=f"tinyvllm-tp-rank{rank}", daemon=True,
-                        args=(rank, config, model_path, device.type, dtype, max_model_len, init_method,
-                              self._errors))
-            for rank in range(1, config.tensor_parallel_size)
+                        args=(rank, config, init_method, self._errors))
+            for rank in range(1, config.engine.tensor_parallel_size)
         ]
         for process in self.processes:
             process.start()

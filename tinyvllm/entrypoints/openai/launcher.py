@@ -25,7 +25,7 @@ from typing import Any
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.core_client import start_engine_core
-from tinyvllm.engine.llm_engine import ModelSetup
+from tinyvllm.engine.llm_engine import resolve_config
 
 logger = logging.getLogger("tinyvllm.entrypoints.openai")
 
@@ -65,7 +65,7 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
     check_server_args(args)
     n = args.api_server_count
-    setup = ModelSetup.from_config(config)  # (a bad model path or config is refused here, before anything starts)
+    resolved, _ = resolve_config(config)  # (a bad model path or config is refused here, before anything starts)
     sock = _listening_socket(args.host, args.port)
     metrics_dir = tempfile.mkdtemp(prefix="tinyvllm-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # (read by the API servers: metrics.py)
@@ -81,7 +81,7 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
     servers: list[multiprocessing.process.BaseProcess] = []
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    core, connections = start_engine_core(config, *setup.core_args(), num_clients=n)
+    core, connections = start_engine_core(resolved, num_clients=n)
     try:
         ctx = multiprocessing.get_context("spawn")
         for i in range(n):
