@@ -14,7 +14,7 @@ import json
 import statistics
 import time
 
-from common import commit, cuda_ms, gpu_name, random_llama_1b, random_llama_tiny
+from common import commit, cuda_ms, gpu_name, random_llama_1b, random_llama_tiny, require_gpu
 
 FLOOR_MS = 0.594  # batch-1 decode floor for the 1B model: weights / copy bandwidth (docs/benchmarks.md)
 
@@ -170,6 +170,7 @@ def main() -> None:
                              "events, which adds a little host time to its launch)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    require_gpu(parser, args.small)
     for name, large, small in (("prompt_len", 128, 16), ("output_len", 256, 8)):
         if getattr(args, name) is None:
             setattr(args, name, small if args.small else large)

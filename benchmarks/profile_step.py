@@ -31,7 +31,7 @@ import argparse
 import json
 from collections import defaultdict
 
-from common import commit, cuda_ms, gpu_name, random_llama_1b
+from common import commit, cuda_ms, gpu_name, random_llama_1b, require_gpu
 
 LAYER_SHAPES = {"qkv_proj": (3072, 2048), "o_proj": (2048, 2048), "gate_up_proj": (16384, 2048),
                 "down_proj": (2048, 8192), "lm_head": (128256, 2048)}
@@ -423,6 +423,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
                         help="part 2's engines: auto (the model's dtype) or fp8 (float8 e4m3)")
     args = parser.parse_args()
+    require_gpu(parser)
     path = random_llama_1b()
     result = {"commit": commit(), "gpu": gpu_name()}
     cache = f", kv_cache_dtype {args.kv_cache_dtype} in the decode steps" if args.kv_cache_dtype != "auto" else ""

@@ -16,7 +16,7 @@ import os
 import re
 import time
 
-from common import GcWatch, commit, gpu_name, random_llama_1b, random_llama_tiny
+from common import GcWatch, commit, gpu_name, random_llama_1b, random_llama_tiny, require_gpu
 
 SPEED_OF_LIGHT = 70_700  # output tok/s, docs/benchmarks.md
 
@@ -128,6 +128,7 @@ def main() -> None:
                         "alternating (a fresh engine each time), to see the run-to-run spread")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    require_gpu(parser, args.small)
     from tinyvllm.entrypoints.step_plot import StepRecorder, import_matplotlib, plot_path, plot_steps
 
     if args.plot:

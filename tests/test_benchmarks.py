@@ -134,3 +134,17 @@ def test_runs_small_on_the_cpu(script, tmp_path):
     for name in PLOTS.get(script, ()):
         with open(tmp_path / name, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", f"{command} drew no {name}"
+
+
+@pytest.mark.parametrize("script", ["latency.py", "throughput.py", "profile_step.py"])
+def test_gpu_benchmarks_refuse_a_cpu_and_point_to_small(script):
+    """Without a GPU, the 1B workload would run on the CPU for a long while without a word (and latency.py wrote its
+    2.5 GB model first): each says what it needs instead, and where it can, that --small runs on a CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the scripts would run")
+    proc = python(os.path.join("benchmarks", script), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "CUDA GPU" in proc.stderr
+    assert ("--small" in proc.stderr) == (script != "profile_step.py"), proc.stderr

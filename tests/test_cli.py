@@ -100,3 +100,30 @@ def test_throughput_warm_up_leaves_no_prefix_cache_hits(tiny_text_checkpoint):
     result = run_throughput(llm, prompts, params)
     assert result["output_tokens"] == 8 * 4
     assert result["prefix_cache_hits"] == 0, result
+
+
+def test_chat_offers_no_flag_that_does_nothing():
+    """chat shows one streamed answer: -n and --logprobs, which it ignored, are refused as unknown."""
+    for flag in (["-n", "2"], ["--logprobs", "1"]):
+        proc = tinyvllm("chat", *flag, stdin="/exit\n")
+        assert proc.returncode == 2 and "unrecognized arguments" in proc.stderr, proc.stderr
+
+
+def test_a_misspelled_flag_gets_the_closest_name():
+    proc = tinyvllm("generate", "Hello", "--max-tokns", "3")
+    assert proc.returncode == 2 and "--max-tokns (did you mean --max-tokens?)" in proc.stderr, proc.stderr
+    proc = tinyvllm("bench", "latency", "--input-lenn", "3")
+    assert proc.returncode == 2 and "did you mean --input-len?" in proc.stderr, proc.stderr
+
+
+def test_generate_logprobs_shows_that_many_tokens(tiny_text_checkpoint):
+    """--logprobs N: each token's line lists the N most likely tokens at its place (it printed N - 1 when the chosen
+    token was among them)."""
+    proc = tinyvllm("generate", "Hello", "--no-chat", "--model", tiny_text_checkpoint, "--max-tokens", "3",
+                    "--logprobs", "2")
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if "(top 2:" in line]
+    assert len(lines) == 3, proc.stdout
+    for line in lines:
+        top = line.split("(top 2: ", 1)[1].rstrip(")")
+        assert top.count(", ") == 1, line  # two entries

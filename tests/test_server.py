@@ -460,7 +460,7 @@ def test_unsupported_fields_are_refused(live):
     accepted = client.chat.completions.create(
         model=live.model, messages=messages, max_tokens=1, user="u-1", response_format={"type": "text"},
         tool_choice="none", logit_bias={}, metadata={"team": "a"}, parallel_tool_calls=False, safety_identifier="s",
-        extra_body={"unknown_but_null": None, "top_k": 5})
+        store=False, extra_body={"unknown_but_null": None, "top_k": 5})
     assert accepted.usage.completion_tokens == 1
     body = {"model": live.model, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi", "refusal": None}],
             "tools": None, "tool_choice": "auto", "functions": [], "stream": True,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import functools
 import itertools
 import os
@@ -39,7 +40,9 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     return EngineConfig.from_kwargs(**{**values, **overrides})
 
 
-def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int, several: bool = True) -> None:
+    """The sampling flags; several: with -n and --logprobs (generate prints several completions and logprobs; the
+    interactive chat shows one answer as it streams, so it offers neither)."""
     g = parser.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=max_tokens, help="at most this many tokens per completion")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -47,16 +50,17 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--top-k", type=int, default=-1, help="sample from the k most likely tokens (-1: all)")
     g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the most likely")
     g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
-    g.add_argument("-n", type=int, default=1, help="completions per prompt")
     g.add_argument("--stop", action="append", default=None, help="stop at this string (repeatable)")
-    g.add_argument("--logprobs", type=int, default=None,
-                   help="print each token's log-probability and this many alternatives")
+    if several:
+        g.add_argument("-n", type=int, default=1, help="completions per prompt")
+        g.add_argument("--logprobs", type=int, default=None,
+                       help="print each token's log-probability and the N most likely tokens at its place")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, seed=args.seed, n=args.n, stop=args.stop,
-                          logprobs=args.logprobs)
+                          top_k=args.top_k, min_p=args.min_p, seed=args.seed, n=getattr(args, "n", 1),
+                          stop=args.stop, logprobs=getattr(args, "logprobs", None))
 
 
 def stream(llm: Any, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:
@@ -98,11 +102,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"--- completion {completion.index} ({completion.finish_reason}) ---")
         print(completion.text)
         for token_id, entry in zip(completion.token_ids, completion.logprobs or []):
-            alternatives = ", ".join(f"{lp.decoded_token!r} {lp.logprob:.3f}" for t, lp in
-                                     sorted(entry.items(), key=lambda item: item[1].rank) if t != token_id)
+            # (entry: the chosen token, and the N most likely, which may include it)
+            top = ", ".join(f"{lp.decoded_token!r} {lp.logprob:.3f}" for _, lp in
+                            sorted(entry.items(), key=lambda item: item[1].rank) if lp.rank <= params.logprobs)
             chosen = entry[token_id]
-            print(f"  {chosen.decoded_token!r:>16} {chosen.logprob:8.3f}" + (f"   ({alternatives})" if alternatives
-                                                                                else ""))
+            print(f"  {chosen.decoded_token!r:>16} {chosen.logprob:8.3f}" + (f"   (top {params.logprobs}: {top})"
+                                                                                if top else ""))
     return 0
 
 
@@ -199,7 +204,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (loopback only)")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind: the default is loopback only; 0.0.0.0 binds every interface")
     g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` (none: $TINYVLLM_API_KEY, or no key if unset)")
@@ -235,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add_parser("chat", help="an interactive conversation (reads lines from stdin; /exit ends it)")
     p.add_argument("--system", default=None, help="a system prompt")
     add_engine_args(p, skip=("seed",))
-    add_sampling_args(p, max_tokens=512)
+    add_sampling_args(p, max_tokens=512, several=False)
     p.set_defaults(func=cmd_chat)
 
     p = add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
@@ -278,8 +284,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subparser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command `args` ran."""
+    for name in ("command", "bench_command"):
+        actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not actions or getattr(args, name, None) is None:
+            break
+        parser = actions[0].choices[getattr(args, name)]
+    return parser
+
+
+def _unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """argparse's message for unknown arguments, with the closest real flag for each misspelled one."""
+    flags = [s for action in parser._actions for s in action.option_strings]
+    parts = []
+    for extra in extras:
+        close = difflib.get_close_matches(extra.split("=", 1)[0], flags, n=1) if extra.startswith("-") else []
+        parts.append(f"{extra} (did you mean {close[0]}?)" if close else extra)
+    return "unrecognized arguments: " + " ".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        command = _subparser(parser, args)
+        command.error(_unrecognized(command, extras))
     try:
         return args.func(args)
     except ValueError as e:

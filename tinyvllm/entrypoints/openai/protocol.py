@@ -161,6 +161,7 @@ class ChatCompletionRequest(SamplingFields):
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     # Metadata and hints that change nothing in the answer: accepted, unused
+    store: bool | None = None  # (OpenAI's stored completions; the official clients send it)
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
     safety_identifier: str | None = None
