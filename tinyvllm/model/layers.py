@@ -116,21 +116,20 @@ class ColumnParallelLinear(Linear):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel products of one input in one weight (gate and up): shard i's rows are output_sizes[i]
-    (split over the ranks), one after the other."""
+    """Several column-parallel products of one input in one weight (gate and up): the rows of shard shard_ids[i]
+    (0, 1, ... by default) are output_sizes[i] (split over the ranks), one shard after the other."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TensorParallel,
-                 product: str | None = None) -> None:
-        super().__init__(in_features, sum(output_sizes), bias, tp, product, tuple(range(len(output_sizes))))
-        self.shard_sizes = [tp.split(size) for size in output_sizes]
-
-    def _rows(self, shard_id: Any) -> tuple[int, int]:
-        return sum(self.shard_sizes[:shard_id]), self.shard_sizes[shard_id]
+                 product: str | None = None, shard_ids: tuple | None = None) -> None:
+        shard_ids = tuple(range(len(output_sizes))) if shard_ids is None else shard_ids
+        super().__init__(in_features, sum(output_sizes), bias, tp, product, shard_ids)
+        sizes = [tp.split(size) for size in output_sizes]
+        self.shard_rows = {shard: (sum(sizes[:i]), sizes[i]) for i, shard in enumerate(shard_ids)}  # (start, size)
 
     def weight_loader(self, param: nn.Parameter, tensor: Any, shard_id: Any = None) -> None:
-        if shard_id is None:
-            raise WeightLoadError("is a merged weight's whole: the model expects its parts")
-        start, size = self._rows(shard_id)
+        if shard_id not in self.shard_rows:
+            raise WeightLoadError(f"is shard {shard_id!r} of a merged weight whose shards are {list(self.shard_rows)}")
+        start, size = self.shard_rows[shard_id]
         load_rank_shard(param.data.narrow(0, start, size), tensor, 0, self.tp)
 
 
@@ -141,13 +140,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
                  tp: TensorParallel, product: str | None = "qkv") -> None:
         super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias,
-                         tp, product)
-        self.shard_ids = self.weight.shard_ids = ("q", "k", "v")
-        if self.bias is not None:
-            self.bias.shard_ids = self.shard_ids
-
-    def _rows(self, shard_id: Any) -> tuple[int, int]:
-        return super()._rows("qkv".index(shard_id))
+                         tp, product, ("q", "k", "v"))
 
 
 class RowParallelLinear(Linear):
