@@ -70,6 +70,8 @@ def _core_main(config: Config, conns: list[Connection]) -> None:
         server.broadcast(("error", traceback.format_exc()))
     finally:
         core.shutdown()
+        gc.unfreeze()  # (what freeze() kept from the collector is collected at exit again: else Triton's extension
+        # reports its objects as leaked, thirty lines at every server's stop)
 
 
 class _CoreServer:
