@@ -1,5 +1,6 @@
-"""Adding a model family: one file of its own decoder over the shared layers (model/layers.py) and the model interface
-(model/interface.py), plus its registry line, and the engine runs it. The toy family below is Llama with one field
+"""Adding a model family: one file over the shared layers (model/layers.py), the model interface
+(model/interface.py) and what it shares with another family (here Llama's decoder layer), plus its registry line,
+and the engine runs it. The toy family below is Llama with one field
 of its own read from its config.json (its embeddings are scaled, as Gemma's are); its reference is transformers'
 Llama fed the scaled embeddings. Its model code here is the whole of what a new family writes."""
 
@@ -17,68 +18,26 @@ from tinyvllm import LLM, SamplingParams
 from tinyvllm.config import ModelConfig
 from tinyvllm.distributed import TensorParallel
 from tinyvllm.model.interface import CausalLM
-from tinyvllm.model.layers import (
-    Attention,
-    MergedColumnParallelLinear,
-    ParallelLMHead,
-    QKVParallelLinear,
-    RMSNorm,
-    RotaryEmbedding,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-)
+from tinyvllm.model.layers import ParallelLMHead, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
+from tinyvllm.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 from tinyvllm.model.registry import register_model
 from tinyvllm.ops import AttentionMetadata
 
 
-# ---- the family's file ----------------------------------------------------------------------------------------
-class ToyAttention(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
-        super().__init__()
-        d = config.head_dim
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_heads, config.num_kv_heads, False, tp)
-        self.o_proj = RowParallelLinear(config.num_heads * d, config.hidden_size, False, tp, "o")
-        self.attn = Attention(tp.split(config.num_heads), tp.split(config.num_kv_heads), d, d**-0.5)
-
-
-class ToyMLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, False, tp,
-                                                       "gate_up")
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, False, tp, "down")
-
-
-class ToyDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = ToyAttention(config, tp)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = ToyMLP(config, tp)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        attn = self.self_attn
-        qkv, residual = self.input_layernorm.project(x, residual, attn.qkv_proj,
-                                                     rope=attn.attn.rope_store(positions, cos_sin, meta))
-        x = attn.o_proj(attn.attn(qkv, meta))
-        gated, residual = self.post_attention_layernorm.project(x, residual, self.mlp.gate_up_proj, silu_and_mul=True)
-        return self.mlp.down_proj(gated), residual
-
-
+# ---- the family's file -------------------------------------------------------------------------------------
+# Its decoder layer is Llama's (a family reuses what it shares with another, as vLLM's do); what it adds is the
+# scaled embedding, read from its own config field, and the model around the layers.
 class ToyModel(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(ToyDecoderLayer(config, tp) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.embedding_multiplier = float(config.hf_config["toy_embedding_multiplier"])  # the family's own field
 
 
 class ToyForCausalLM(CausalLM):
-    packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-                              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping  # (Llama's layers, Llama's checkpoint names)
 
     def __init__(self, config: ModelConfig, max_positions: int, tp: TensorParallel = TensorParallel()) -> None:
         super().__init__(config, max_positions, tp)
