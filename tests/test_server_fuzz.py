@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 import statistics
-import threading
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -64,33 +65,45 @@ def _good_request_works(http: httpx.Client) -> None:
     assert response.json()["usage"]["completion_tokens"] == 2
 
 
+_POLLER = """
+import json, sys, threading, time
+import httpx
+url, interval_s = sys.argv[1], float(sys.argv[2])
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+latencies, failures = [], []
+with httpx.Client(base_url=url, timeout=30, trust_env=False) as client:
+    client.get("/health")  # (the connection's set-up is not the server's latency)
+    print("ready", flush=True)
+    while not stop.is_set():
+        start = time.perf_counter()
+        status = client.get("/health").status_code
+        latencies.append(time.perf_counter() - start)
+        if status != 200:
+            failures.append(f"/health answered {status}")
+        stop.wait(interval_s)
+print(json.dumps({"latencies": latencies, "failures": failures}), flush=True)
+"""
+
+
 @contextmanager
 def _health_monitor(url: str, interval_s: float = 0.05) -> Iterator[list[float]]:
-    """Polls /health on a thread of its own while the block runs: yields the latencies (s) so far; each answer must
-    be a 200."""
+    """Polls /health from a process of its own while the block runs (in this one, a pause of the test's own garbage
+    collector, some 300 ms late in the suite, would count as the server's), and fills the list it yields with the
+    latencies (s) when the block ends; each answer must be a 200."""
     latencies: list[float] = []
-    failures: list[str] = []
-    stop = threading.Event()
-
-    def poll() -> None:
-        with httpx.Client(base_url=url, timeout=30, trust_env=False) as client:
-            client.get("/health")  # (the connection's set-up is not the server's latency)
-            while not stop.is_set():
-                start = time.perf_counter()
-                status = client.get("/health").status_code
-                latencies.append(time.perf_counter() - start)
-                if status != 200:
-                    failures.append(f"/health answered {status}")
-                stop.wait(interval_s)
-
-    thread = threading.Thread(target=poll, daemon=True)
-    thread.start()
+    poller = subprocess.Popen([sys.executable, "-c", _POLLER, url, str(interval_s)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
     try:
+        assert poller.stdout.readline().strip() == "ready"
         yield latencies
     finally:
-        stop.set()
-        thread.join(30)
-    assert not failures, failures
+        poller.stdin.close()
+        report = json.loads(poller.stdout.readline() or "{}")
+        poller.wait(30)
+    assert report, "the /health poller did not report"
+    latencies.extend(report["latencies"])
+    assert not report["failures"], report["failures"]
 
 
 # ---- the requests that killed, froze or crashed it --------------------------------------------------------

@@ -23,6 +23,7 @@ from typing import Any
 
 from tinyvllm.config import Config
 from tinyvllm.contract import EngineCoreOutputs
+from tinyvllm.heap import frozen_heap
 from tinyvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -55,23 +56,18 @@ def _core_main(config: Config, conns: list[Connection]) -> None:
         message = str(e) if isinstance(e, ValueError) else traceback.format_exc()
         server.broadcast(("error", message, isinstance(e, ValueError)))
         return
-    # What is alive now lives as long as this process (the model, the graphs, the libraries' objects): frozen out
-    # of the cyclic collector's sight, as vLLM's engine core does, so that a full collection, when the allocations
-    # of serving set one off, walks only what serving made. And the young generation is collected every
-    # _GC_YOUNG_THRESHOLD allocations instead of 700: the requests' token lists, alive for a whole request, were
-    # walked again at each of the many small collections (benchmarks/RESULTS.md has both measurements).
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(_GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
-    try:
-        server.broadcast(("ready", core.kv_capacity_tokens, core.get_stats()))
-        server.run(core)
-    except BaseException:
-        server.broadcast(("error", traceback.format_exc()))
-    finally:
-        core.shutdown()
-        gc.unfreeze()  # (what freeze() kept from the collector is collected at exit again: else Triton's extension
-        # reports its objects as leaked, thirty lines at every server's stop)
+    # The young generation is collected every _GC_YOUNG_THRESHOLD allocations instead of 700: the requests' token
+    # lists, alive for a whole request, were walked again at each of the many small collections
+    # (benchmarks/RESULTS.md has both measurements).
+    with frozen_heap():
+        gc.set_threshold(_GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+        try:
+            server.broadcast(("ready", core.kv_capacity_tokens, core.get_stats()))
+            server.run(core)
+        except BaseException:
+            server.broadcast(("error", traceback.format_exc()))
+        finally:
+            core.shutdown()
 
 
 class _CoreServer:

@@ -50,6 +50,7 @@ from tinyvllm.entrypoints.openai.protocol import (
 from tinyvllm.entrypoints.openai.serving import APIError, ClientGone, OpenAIServing, error_response
 from tinyvllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from tinyvllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tinyvllm.heap import frozen_heap
 
 logger = logging.getLogger("tinyvllm.entrypoints.openai")
 access_logger = logging.getLogger("tinyvllm.access")
@@ -438,6 +439,7 @@ def run_server(args: argparse.Namespace, config: EngineConfig, core_connection: 
     # that re-raise does nothing, and a SIGINT/SIGTERM shutdown exits 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: None)
-    server.run(sockets=None if sock is None else [sock])
+    with frozen_heap():
+        server.run(sockets=None if sock is None else [sock])
     engine.shutdown()
     return 0 if server.started and not server.engine_failed else 1
