@@ -1,6 +1,6 @@
 """The model runner's own order of a step's sequences: a mixed step runs its one-token sequences first (attention
 sends them to the decode kernel as one block, AttentionMetadata.num_decodes), and every sampled token still goes
-to its own sequence."""
+to its own sequence. And its plan of a step: the one path each shape takes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from tests.utils import tiny_llama_fixture, tiny_llm
 from tinyvllm.contract import NewSequence, SchedulerOutput
 from tinyvllm.ops import AttentionMetadata
 from tinyvllm.sampling_params import SamplingParams
-from tinyvllm.worker.model_runner import ModelInput
+from tinyvllm.worker.model_runner import ModelInput, Path, StepPlan, padded_num_tokens
+from tinyvllm.worker.sampler import SamplingTensors
 
 PROMPTS = {1: [5, 9, 2, 7, 3, 8], 2: [4, 4, 1, 6], 3: [2, 3, 5]}
 checkpoint = tiny_llama_fixture(seed=5)
@@ -59,3 +60,44 @@ def test_each_sequence_gets_its_own_token(checkpoint: str) -> None:
              for i, p in PROMPTS.items()}
     assert tokens[1] == alone[1][0]
     assert tokens[2] == alone[2][1] and tokens[3] == alone[3][1]
+
+
+class _DecodeGraphs:
+    """Stands in for CudaGraphs (CUDA only): graphs of 4 and 8 sequences, each with a greedy tail."""
+
+    def fits(self, num_seqs: int) -> bool:
+        return num_seqs <= 8
+
+    def batch_size(self, num_seqs: int) -> int:
+        return 4 if num_seqs <= 4 else 8
+
+    def tail_mode(self, sampling: SamplingTensors) -> str | None:
+        return "greedy" if sampling.all_greedy else None
+
+
+class _PiecewiseGraphs:
+    """Stands in for PiecewiseCudaGraphs: pieces up to 512 tokens, whole graphs of one sequence up to 256."""
+
+    def fits(self, num_tokens: int) -> bool:
+        return num_tokens <= 512
+
+    def fits_whole(self, num_seqs: int, num_tokens: int) -> bool:
+        return num_seqs == 1 and num_tokens <= 256
+
+
+def test_each_step_shape_has_one_plan(checkpoint: str) -> None:
+    llm = tiny_llm(checkpoint, num_kv_blocks=16, block_size=16, max_num_batched_tokens=8192)
+    runner = llm.llm_engine.engine_core.model_runner
+    assert runner.plan(3, 3) == StepPlan(Path.EAGER, 3)  # the CPU: every step eager, as it is
+    assert runner.plan(2, 3000) == StepPlan(Path.EAGER, 3000)
+    runner.cuda_graphs, runner.piecewise_graphs, runner.fixed_shapes = _DecodeGraphs(), _PiecewiseGraphs(), True
+    greedy = SamplingTensors.greedy()
+    assert runner.plan(3, 3, greedy) == StepPlan(Path.DECODE_GRAPH, 3, graph_size=4, tail="greedy")
+    assert runner.plan(3, 3, None, shared_prefix=True) == StepPlan(Path.DECODE_GRAPH, 3, 4, shared_prefix=True)
+    assert runner.plan(1, 1, greedy).path is Path.DECODE_GRAPH  # (not the whole graph of one sequence's tokens)
+    assert runner.plan(9, 9, greedy) == StepPlan(Path.PIECEWISE, 9)  # more than the decode graphs hold
+    assert runner.plan(1, 200) == StepPlan(Path.WHOLE_GRAPH, 200)
+    assert runner.plan(1, 300) == StepPlan(Path.PIECEWISE, 300)
+    assert runner.plan(2, 200) == StepPlan(Path.PIECEWISE, 200)
+    assert runner.plan(2, 3000) == StepPlan(Path.EAGER, padded_num_tokens(3000, 8192))
+    assert padded_num_tokens(3000, 8192) == 3072

@@ -329,8 +329,8 @@ cascade_steps, replayed = [], []
 prepare = runner.prepare
 def recording_prepare(step):
     inputs = prepare(step)
-    if inputs.graph_size is not None:  # (a graph step: its inputs are in the graphs' buffer)
-        if inputs.shared_prefix:
+    if inputs.plan.graph_size is not None:  # (a graph step: its inputs are in the graphs' buffer)
+        if inputs.plan.shared_prefix:
             cascade_steps.append(len(step.seq_ids))
             replayed.append(True)
     elif inputs.meta.common_prefix_len is not None:

@@ -1,12 +1,14 @@
 """The ModelRunner owns the model and its KV cache. Each step it takes a SchedulerOutput (plain data),
-updates its own state of the sequences it holds (input_batch.py), builds the batch's tensors, runs the
-forward pass (through a CUDA graph for decode steps and for one sequence's prompt steps, and through graphs of
-the pieces between attention calls for other steps of up to 8,192 tokens, when it can), and samples the next token
-of every sequence whose last known token was in the step. It imports nothing from the engine."""
+updates its own state of the sequences it holds (input_batch.py), builds the batch's tensors and the step's plan
+(the path of its forward pass: a CUDA graph for decode steps and for one sequence's prompt steps, graphs of the
+pieces between attention calls for other steps of up to 8,192 tokens, when it can, else eager), runs the forward
+pass (execute_model), and samples the next token of every sequence whose last known token was in the step
+(sample_tokens). It imports nothing from the engine."""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import os
 from dataclasses import dataclass
@@ -56,11 +58,53 @@ def padded_num_tokens(num_tokens: int, max_num_batched_tokens: int) -> int:
     return max(num_tokens, min(rounded, max_num_batched_tokens))
 
 
+class Path(enum.Enum):
+    """How a step's forward pass runs: the first of these that takes the step's shape (ModelRunner.plan)."""
+
+    DECODE_GRAPH = "decode graph"  # one token per sequence: a captured decode step, which may draw the tokens too
+    WHOLE_GRAPH = "whole graph"  # one sequence's prompt tokens: one graph of the whole forward pass
+    PIECEWISE = "piecewise graphs"  # graphs of the pieces between attention calls, attention run between them
+    EAGER = "eager"  # the model as it is (the CPU, tensor parallelism, --enforce-eager, steps past the graphs)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How one step runs: decided once, from its shape, by prepare; carried out by execute_model."""
+
+    path: Path
+    num_tokens: int  # the tokens of the forward pass, padding included (EAGER on CUDA: padded_num_tokens)
+    graph_size: int | None = None  # DECODE_GRAPH: the batch size of the graph it replays
+    tail: str | None = None  # DECODE_GRAPH: the sampling tail the graph ends in (CudaGraphs.tail_mode), or None
+    shared_prefix: bool = False  # DECODE_GRAPH: its inputs hold a common prefix length (cascade attention)
+
+
+@dataclass
+class StepTokens:
+    """Where a step's tokens go, on the host: per sequence (decodes first) its input batch row, its new tokens,
+    the position of the first and the end; per token its position and KV cache slot."""
+
+    seq_ids: list[int]
+    rows: np.ndarray
+    num_new: np.ndarray
+    num_decodes: int  # (AttentionMetadata.num_decodes: 0 for a step of decodes alone)
+    starts: np.ndarray
+    ends: np.ndarray
+    cu_query_lens: np.ndarray  # (num_seqs + 1)
+    positions: np.ndarray
+    slots: np.ndarray
+    block_tables: np.ndarray  # the rows' tables, as wide as the longest needs
+
+    @property
+    def total(self) -> int:
+        return int(self.cu_query_lens[-1])
+
+
 @dataclass
 class ModelInput:
-    """A step's tensors on the device. A decode step that replays a CUDA graph has its inputs in the graph's own
-    buffer (DecodeInputs), so only what comes after the graph is here."""
+    """A step's plan and its tensors on the device. A decode step that replays a CUDA graph has its inputs in the
+    graph's own buffer (DecodeInputs), so only what comes after the graph is here."""
 
+    plan: StepPlan
     input_ids: torch.Tensor | None  # (None: a graph step)
     positions: torch.Tensor | None
     meta: AttentionMetadata | None
@@ -70,8 +114,6 @@ class ModelInput:
     sampled_rows: np.ndarray
     sampled_seq_ids: list[int]
     sampling: SamplingTensors
-    graph_size: int | None = None  # the decode graph's batch size, for a step that replays one
-    shared_prefix: bool = False  # (a graph step) its inputs hold a common prefix length: cascade attention
 
 
 @dataclass
@@ -136,8 +178,8 @@ class ModelRunner:
             self.model.greedy_tokens(hidden)  # (the fused LM head, where it applies: compiled now, not mid-run)
         empty = torch.zeros(1, dtype=torch.int32, device=self.device)
         top = min(self.config.max_num_batched_tokens, WARM_UP_MAX_TOKENS)
-        sizes = sorted({padded_num_tokens(n, self.config.max_num_batched_tokens)
-                        for n in range(EAGER_PADDING_ABOVE + 1, top + 1) if not self._runs_in_graphs(n)})
+        plans = (self.plan(2, n) for n in range(EAGER_PADDING_ABOVE + 1, top + 1))  # (of several sequences)
+        sizes = sorted({plan.num_tokens for plan in plans if plan.path is Path.EAGER})
         for n in sizes:
             tokens = torch.zeros(n, dtype=torch.int64, device=self.device)
             meta = AttentionMetadata(empty, empty, empty.view(1, 1), torch.full_like(tokens, -1), 1, 1,
@@ -147,9 +189,22 @@ class ModelRunner:
             torch.cuda.synchronize()
 
     # ---- one step ---------------------------------------------------------------------------------
-    def _runs_in_graphs(self, num_tokens: int) -> bool:
-        """A step with prompt tokens that the piecewise graphs take (at their own padded sizes)."""
-        return self.piecewise_graphs is not None and self.piecewise_graphs.fits(num_tokens)
+    def plan(self, num_seqs: int, num_tokens: int, tail_sampling: SamplingTensors | None = None,
+             shared_prefix: bool = False) -> StepPlan:
+        """The path of a step of these sequences and tokens. tail_sampling: the step's sampling hints, when every
+        sequence samples (a decode graph may then draw the tokens itself); shared_prefix: the step's sequences
+        share a prefix that cascade attention reads once."""
+        graphs, pieces = self.cuda_graphs, self.piecewise_graphs
+        if graphs is not None and num_tokens == num_seqs and graphs.fits(num_seqs):
+            tail = graphs.tail_mode(tail_sampling) if tail_sampling is not None else None
+            return StepPlan(Path.DECODE_GRAPH, num_tokens, graphs.batch_size(num_seqs), tail, shared_prefix)
+        if pieces is not None and pieces.fits_whole(num_seqs, num_tokens):
+            return StepPlan(Path.WHOLE_GRAPH, num_tokens)
+        if pieces is not None and pieces.fits(num_tokens):
+            return StepPlan(Path.PIECEWISE, num_tokens)
+        if self.fixed_shapes and num_tokens > num_seqs:
+            num_tokens = padded_num_tokens(num_tokens, self.config.max_num_batched_tokens)
+        return StepPlan(Path.EAGER, num_tokens)
 
     def _update_states(self, step: SchedulerOutput) -> None:
         """Take the step's changes to the sequences held. A new sequence that cannot be taken in is a SequenceError:
@@ -168,9 +223,27 @@ class ModelRunner:
             batch.append_blocks(batch.row_of[seq_id], block_ids)
 
     def prepare(self, step: SchedulerOutput) -> ModelInput:
-        """The step's tensors. An input token that the previous step sampled and the host has not read yet
-        (async scheduling) is taken from that step's output on the device."""
+        """The step's plan and tensors: the sequences' changes taken in, their tokens laid out, the rows that
+        sample and their parameters, the path chosen, and everything uploaded in one copy."""
         self._update_states(step)
+        tokens = self._lay_out(step)
+        batch, n = self.input_batch, len(tokens.seq_ids)
+        sampled = np.flatnonzero(tokens.ends == batch.num_tokens[tokens.rows])  # (their newest token is an input)
+        sample_rows = tokens.rows[sampled]
+        hints = self._sampling_hints(sample_rows)
+        prefix_len = self._common_prefix_len(tokens)
+        plan = self.plan(n, tokens.total, hints if len(sampled) == n else None, prefix_len is not None)
+        arrays = self._host_inputs(tokens, plan, sampled, prefix_len)
+        if not hints.all_greedy:
+            num_outputs = batch.num_tokens[sample_rows] - batch.num_prompt[sample_rows]
+            arrays.update(temperature=batch.temperature[sample_rows], top_k=batch.top_k[sample_rows],
+                          top_p=batch.top_p[sample_rows], min_p=batch.min_p[sample_rows],
+                          seeds=step_seeds(batch.seeds[sample_rows], num_outputs))
+        sampled_seq_ids = tokens.seq_ids if len(sampled) == n else [tokens.seq_ids[i] for i in sampled.tolist()]
+        return self._upload(arrays, plan, tokens, sample_rows, sampled_seq_ids, hints)
+
+    def _lay_out(self, step: SchedulerOutput) -> StepTokens:
+        """The step's positions and slots; the sequences' computed tokens move past it."""
         batch, bs = self.input_batch, self.block_size
         seq_ids, n = step.seq_ids, len(step.seq_ids)
         num_new = np.array(step.num_new_tokens, dtype=np.int64)
@@ -189,20 +262,34 @@ class ModelRunner:
         batch.num_computed[rows] = ends
         cu = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(num_new, out=cu[1:])
-        total = int(cu[-1])
-        if total == n:  # decode: one token per sequence
+        if cu[-1] == n:  # decode: one token per sequence
             positions, token_rows = starts, rows
         else:
-            positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1] - starts, num_new)
+            positions = np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1] - starts, num_new)
             token_rows = np.repeat(rows, num_new)
         slots = batch.block_tables[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         width = int((ends.max() + bs - 1) // bs)
-        tables = batch.block_tables[rows, :width]
+        return StepTokens(seq_ids, rows, num_new, num_decodes, starts, ends, cu, positions, slots,
+                          batch.block_tables[rows, :width])
 
-        # An input is a token sent with its sequence (a prompt chunk; after a preemption, outputs recomputed), or
-        # else its newest output, the one input of a decode: known on the host, or (async scheduling) sampled by
-        # the step before and not read back yet, then taken from that step's output on the device.
-        ids = np.empty(total, dtype=np.int64)
+    def _common_prefix_len(self, tokens: StepTokens) -> int | None:
+        """A decode step whose sequences share a long enough prefix of blocks reads it once (cascade attention):
+        its length in tokens, or None."""
+        n, bs = len(tokens.seq_ids), self.block_size
+        if not (self.config.cascade_attention and tokens.total == n
+                and use_cascade_attention(self.max_blocks_per_seq * bs, n)):
+            return None
+        prefix_len = common_prefix_len(tokens.block_tables, tokens.ends, bs)
+        return prefix_len if use_cascade_attention(prefix_len, n) else None
+
+    def _host_inputs(self, tokens: StepTokens, plan: StepPlan, sampled: np.ndarray,
+                     prefix_len: int | None) -> dict[str, np.ndarray]:
+        """The model's inputs on the host, padded as the plan says. An input is a token sent with its sequence (a
+        prompt chunk; after a preemption, outputs recomputed), or else its newest output, the one input of a
+        decode: known on the host, or (async scheduling) sampled by the step before and not read back yet, then
+        taken from that step's output on the device (where, the arrays say)."""
+        batch, rows, cu, starts, ends = self.input_batch, tokens.rows, tokens.cu_query_lens, tokens.starts, tokens.ends
+        ids = np.empty(tokens.total, dtype=np.int64)
         last = cu[1:] - 1  # each sequence's last input
         sent = ends <= batch.num_sent[rows]
         for i in np.flatnonzero(sent).tolist():
@@ -211,69 +298,58 @@ class ModelRunner:
         ids[last[newest]] = batch.last_token[rows[newest]]
         in_flight = newest & (starts == batch.num_known[rows])
         prev = self._last_output
-        assert not newest.any() or (num_new[newest] == 1).all(), "an output is the input of one decode alone"
+        assert not newest.any() or (tokens.num_new[newest] == 1).all(), "an output is the input of one decode alone"
         assert not in_flight.any() or prev is not None, "a token in flight without the step that sampled it"
-        sampled = np.flatnonzero(ends == batch.num_tokens[rows])
-        logits_indices = cu[1:][sampled] - 1
-        padded = total
-        if self.fixed_shapes:
-            if len(sampled):
-                num_rows = next(r for r in self.logits_rows if r >= len(sampled))
-                logits_indices = np.pad(logits_indices, (0, num_rows - len(sampled)))  # (row 0: any row will do)
-            if total > n and not self._runs_in_graphs(total):
-                padded = padded_num_tokens(total, self.config.max_num_batched_tokens)
-        sample_rows = rows[sampled]
-        sampled_seq_ids = seq_ids if len(sampled) == n else [seq_ids[i] for i in sampled.tolist()]
-        graphs = self.cuda_graphs
-        graph_size = graphs.batch_size(n) if graphs is not None and total == n and graphs.fits(n) else None
-        # The model's fields, then only when the step needs them (each costs host time on a slow CPU) the places
-        # of the inputs in flight and the sampling parameters.
-        if padded > total:
-            extra = padded - total
+        logits_indices = last[sampled]
+        if self.fixed_shapes and len(sampled):
+            num_rows = next(r for r in self.logits_rows if r >= len(sampled))
+            logits_indices = np.pad(logits_indices, (0, num_rows - len(sampled)))  # (row 0: any row will do)
+        positions, slots = tokens.positions, tokens.slots
+        if plan.num_tokens > tokens.total:
+            extra = plan.num_tokens - tokens.total
             ids, positions = np.pad(ids, (0, extra)), np.pad(positions, (0, extra))
             slots = np.pad(slots, (0, extra), constant_values=-1)
         arrays = dict(input_ids=ids, positions=positions, slot_mapping=slots, logits_indices=logits_indices,
-                      context_lens=ends.astype(np.int32), block_tables=tables)
-        if graph_size is None:
+                      context_lens=ends.astype(np.int32), block_tables=tokens.block_tables)
+        graph = plan.path is Path.DECODE_GRAPH
+        if not graph:
             arrays.update(cu_query_lens=cu.astype(np.int32))
-        # A decode step whose sequences share a long enough prefix of blocks reads it once (cascade attention).
-        if self.config.cascade_attention and total == n and use_cascade_attention(self.max_blocks_per_seq * bs, n):
-            prefix_len = common_prefix_len(tables, ends, bs)
-            if use_cascade_attention(prefix_len, n):
-                arrays.update(common_prefix_len=np.array([prefix_len], dtype=np.int32))
-        pending = bool(in_flight.any())
-        if pending and graph_size is not None:  # (a graph takes them from CudaGraphs.tokens, where prev left them)
-            sources = np.full(n, -1, dtype=np.int64)
+        if prefix_len is not None:
+            arrays.update(common_prefix_len=np.array([prefix_len], dtype=np.int32))
+        if in_flight.any() and graph:  # (a graph takes them from CudaGraphs.tokens, where prev left them)
+            sources = np.full(len(rows), -1, dtype=np.int64)
             sources[in_flight] = prev.places(rows[in_flight])
             arrays.update(pending=sources)
-        elif pending:
+        elif in_flight.any():
             arrays.update(pending_dst=last[in_flight], pending_src=prev.places(rows[in_flight]))
-        hints = self._sampling_hints(sample_rows)
-        if not hints.all_greedy:
-            num_outputs = batch.num_tokens[sample_rows] - batch.num_prompt[sample_rows]
-            arrays.update(temperature=batch.temperature[sample_rows], top_k=batch.top_k[sample_rows],
-                          top_p=batch.top_p[sample_rows], min_p=batch.min_p[sample_rows],
-                          seeds=step_seeds(batch.seeds[sample_rows], num_outputs))
-        if graph_size is not None:
+        return arrays
+
+    def _upload(self, arrays: dict[str, np.ndarray], plan: StepPlan, tokens: StepTokens, sample_rows: np.ndarray,
+                sampled_seq_ids: list[int], hints: SamplingTensors) -> ModelInput:
+        """The host inputs on the device in one copy: into a decode graph's own buffer, or the staging buffer's
+        next slice (whose views are the step's tensors; with tensor parallelism, broadcast to the other ranks)."""
+        num_sampled = len(sample_rows)
+        if plan.path is Path.DECODE_GRAPH:
+            graphs = self.cuda_graphs
             graphs.inputs.upload(self._staging, arrays)
-            return ModelInput(None, None, None, graphs.inputs.fields["logits_indices"][:len(logits_indices)],
-                              sample_rows, sampled_seq_ids, graphs.sampling(len(sampled), hints), graph_size,
-                              "common_prefix_len" in arrays)
+            logits_indices = graphs.inputs.fields["logits_indices"][:len(arrays["logits_indices"])]
+            return ModelInput(plan, None, None, None, logits_indices, sample_rows, sampled_seq_ids,
+                              graphs.sampling(num_sampled, hints))
         buffer, layout = self._staging.upload(arrays)
         t = views(buffer, layout)
-        if pending:
-            t["input_ids"][t["pending_dst"]] = prev.token_ids[t["pending_src"]]
-        max_query_len, max_context_len = int(num_new.max()), int(ends.max())
+        if "pending_dst" in t:
+            t["input_ids"][t["pending_dst"]] = self._last_output.token_ids[t["pending_src"]]
+        max_query_len, max_context_len = int(tokens.num_new.max()), int(tokens.ends.max())
         if self.tp.size > 1:
-            broadcast_step(buffer, layout, max_query_len, max_context_len, num_decodes, self.tp)
+            broadcast_step(buffer, layout, max_query_len, max_context_len, tokens.num_decodes, self.tp)
         meta = AttentionMetadata(cu_query_lens=t["cu_query_lens"], context_lens=t["context_lens"],
                                  block_tables=t["block_tables"], slot_mapping=t["slot_mapping"],
                                  max_query_len=max_query_len, max_context_len=max_context_len,
-                                 common_prefix_len=t.get("common_prefix_len"), num_decodes=num_decodes)
+                                 common_prefix_len=t.get("common_prefix_len"), num_decodes=tokens.num_decodes)
         sampling = hints if hints.all_greedy else hints.with_tensors(t["temperature"], t["top_k"], t["top_p"],
                                                                       t["min_p"], t["seeds"])
-        return ModelInput(t["input_ids"], t["positions"], meta, t["logits_indices"], sample_rows, sampled_seq_ids,
-                          sampling)
+        return ModelInput(plan, t["input_ids"], t["positions"], meta, t["logits_indices"], sample_rows,
+                          sampled_seq_ids, sampling)
 
     def _sampling_hints(self, rows: np.ndarray) -> SamplingTensors:
         """What the sampler must know of these rows' parameters to pick its path without reading anything back:
@@ -304,20 +380,18 @@ class ModelRunner:
             timer = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             timer[0].record()
         inputs = self.prepare(step)
-        graphs, pieces = self.cuda_graphs, self.piecewise_graphs
-        num_seqs, tokens = len(step.seq_ids), None
-        if inputs.graph_size is not None:
-            # (a decode step samples every sequence, so the graph's rows are the sampled ones, in order)
-            mode = graphs.tail_mode(inputs.sampling) if len(inputs.sampled_seq_ids) == num_seqs else None
-            hidden = graphs.replay(inputs.graph_size, inputs.shared_prefix, mode)
-            if mode is not None:
-                hidden, tokens = None, hidden[:num_seqs]
-        elif pieces is not None and pieces.fits_whole(num_seqs, inputs.input_ids.shape[0]):
-            hidden = pieces.run_whole(inputs.input_ids, inputs.positions, inputs.meta)
-        elif self._runs_in_graphs(inputs.input_ids.shape[0]):
-            hidden = pieces.run(inputs.input_ids, inputs.positions, inputs.meta)
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        plan, tokens = inputs.plan, None
+        match plan.path:
+            case Path.DECODE_GRAPH:
+                hidden = self.cuda_graphs.replay(plan.graph_size, plan.shared_prefix, plan.tail)
+                if plan.tail is not None:  # (it drew every sequence's token: a decode step samples them all)
+                    hidden, tokens = None, hidden[:len(step.seq_ids)]
+            case Path.WHOLE_GRAPH:
+                hidden = self.piecewise_graphs.run_whole(inputs.input_ids, inputs.positions, inputs.meta)
+            case Path.PIECEWISE:
+                hidden = self.piecewise_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            case Path.EAGER:
+                hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         self._executed = _Executed(inputs, hidden, tokens, timer)
 
     @torch.inference_mode()
