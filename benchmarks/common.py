@@ -53,17 +53,17 @@ def commit() -> str:
         return "unknown"
 
 
-def require_gpu(parser: Any, small: bool | None = None) -> None:
+def require_gpu(parser: Any, small: bool | None = None, what: str = "the Llama-3.2-1B-shaped model") -> None:
     """Refuse, with a message, to run a GPU benchmark where torch sees no CUDA GPU (it would build and run the 1B
     model on the CPU for a long while, without a word). small: the script's --small flag, the CPU's way to run it
-    (None: the script has none)."""
+    (None: the script has none); what: what the benchmark times, for the message."""
     import torch
 
     if torch.cuda.is_available() or small:
         return
     hint = ("; on a CPU, --small runs it on a tiny random Llama (docs/benchmarks.md lists the CPU runs)"
             if small is not None else "; it has no CPU mode (docs/benchmarks.md lists the CPU runs)")
-    parser.error("this benchmark times the Llama-3.2-1B-shaped model on a CUDA GPU, and torch sees none" + hint)
+    parser.error(f"this benchmark times {what} on a CUDA GPU, and torch sees none" + hint)
 
 
 def gpu_name() -> str:

@@ -34,8 +34,10 @@ SMALL_RUNS = {
 # The scripts that take --plot FILE, with the files a --plot steps.png run of SMALL_RUNS draws (one per run).
 PLOTS = {"throughput.py": ["steps-continuous.png", "steps-static.png"],
          "shared_prefix.py": ["steps-caching-on.png", "steps-caching-off.png"]}
-GPU_ONLY = {"bench_kernels.py", "profile_step.py"}  # --help only: they time CUDA kernels and graphs
-NOT_SCRIPTS = {"common.py"}
+# --help only: they time CUDA kernels and graphs
+GPU_ONLY = {"bench_attention.py", "bench_cascade.py", "bench_elementwise.py", "bench_fused.py", "bench_gemv.py",
+            "bench_sampling.py", "profile_step.py"}
+NOT_SCRIPTS = {"common.py", "kernels_common.py"}
 
 # Looks each name up as an import would with none of MODULE_FOLDERS on sys.path, so that what is found is what the
 # folder's file of that name hides. Prints {name: what provides it}.
@@ -136,10 +138,11 @@ def test_runs_small_on_the_cpu(script, tmp_path):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", f"{command} drew no {name}"
 
 
-@pytest.mark.parametrize("script", ["latency.py", "throughput.py", "profile_step.py"])
+@pytest.mark.parametrize("script", sorted(GPU_ONLY | {"latency.py", "throughput.py"}))
 def test_gpu_benchmarks_refuse_a_cpu_and_point_to_small(script):
     """Without a GPU, the 1B workload would run on the CPU for a long while without a word (and latency.py wrote its
-    2.5 GB model first): each says what it needs instead, and where it can, that --small runs on a CPU."""
+    2.5 GB model first), and a kernel benchmark would fail on its first tensor: each says what it needs instead, and
+    where it can, that --small runs on a CPU."""
     import torch
 
     if torch.cuda.is_available():
@@ -147,4 +150,4 @@ def test_gpu_benchmarks_refuse_a_cpu_and_point_to_small(script):
     proc = python(os.path.join("benchmarks", script), timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "CUDA GPU" in proc.stderr
-    assert ("--small" in proc.stderr) == (script != "profile_step.py"), proc.stderr
+    assert ("--small" in proc.stderr) == (script not in GPU_ONLY), proc.stderr
