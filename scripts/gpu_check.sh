@@ -28,10 +28,10 @@ for part in "${parts[@]}"; do
         serve-floor) command=("$python" benchmarks/serve_floor.py) ;;
         throughput-fp8) command=("$python" benchmarks/throughput.py --trace --no-peer --kv-cache-dtype fp8) ;;
         tests-fp8) command=("$python" -m pytest -q -m cuda -p no:cacheprovider tests/gpu -k fp8) ;;
-        kernels-fp8) command=("$python" benchmarks/bench_kernels.py --kv-cache-dtype fp8) ;;
-        sweep-fp8) command=("$python" benchmarks/bench_kernels.py --sweep decode --sweep-only --kv-cache-dtype fp8) ;;
-        products-256) command=("$python" benchmarks/bench_kernels.py --gemv --gemv-sweep --batches 128,256) ;;
-        sampling) command=("$python" benchmarks/bench_kernels.py --sampling) ;;
+        kernels-fp8) command=("$python" benchmarks/bench_attention.py --kv-cache-dtype fp8) ;;
+        sweep-fp8) command=("$python" benchmarks/bench_attention.py --sweep decode --sweep-only --kv-cache-dtype fp8) ;;
+        products-256) command=("$python" benchmarks/bench_gemv.py --sweep --batches 128,256) ;;
+        sampling) command=("$python" benchmarks/bench_sampling.py) ;;
         tests-sampling) command=("$python" -m pytest -q -m cuda -p no:cacheprovider tests/gpu -k sample) ;;
         *) echo "unknown part: $part (tests, latency, throughput, shared-prefix, serve, serve-floor," \
                 "throughput-fp8, tests-fp8, kernels-fp8, sweep-fp8, products-256," \

@@ -6,7 +6,7 @@ message each), and the loop reads the core's pipe whenever it is readable (add_r
 tokens for every request, which the output processor turns into RequestOutputs (detokenized, stop strings
 checked); each lands in the RequestStream that asked for it, merged with any earlier one its reader has not
 taken yet. No thread stands between the loop and the core: a hand-off between two threads of one process
-waits for the GIL, up to a millisecond per hop on our machines (benchmarks/RESULTS.md).
+waits for the GIL (benchmarks/RESULTS.md has what a hop costs).
 
     add_requests() --pipe--> engine core process --pipe--> _on_core_output(): OutputProcessor -> RequestStream
 """

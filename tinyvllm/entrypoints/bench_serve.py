@@ -6,7 +6,7 @@ at most `--concurrency` at a time, or arriving as a Poisson process of `--reques
 stops after `--duration-limit` seconds whatever is left. Reports request and token throughput and, at
 mean/median/p90/p99: time to first token (TTFT), time per output token after the first (TPOT), the gap
 between consecutive streamed chunks (ITL) and end-to-end latency (E2EL). The client is aiohttp, as vLLM's:
-on loopback its first token arrived ~0.9 ms sooner per request than httpx's, time that a measured TTFT holds."""
+on loopback its first token arrives sooner than httpx's (benchmarks/RESULTS.md), time that a measured TTFT holds."""
 
 from __future__ import annotations
 

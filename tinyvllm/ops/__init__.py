@@ -49,7 +49,7 @@ __all__ = [
 _FORCE_REFERENCE = os.environ.get("TINYVLLM_REFERENCE_OPS", "0") == "1"
 
 # Each product runs on our decode kernels (fused_linear.py) for up to this many rows (tokens), on cuBLAS above:
-# the crossovers that benchmarks/bench_kernels.py --fused measures against what the model runs otherwise
+# the crossovers that benchmarks/bench_fused.py measures against what the model runs otherwise
 # (cuBLAS with the separate norm and SiLU kernels); figures in benchmarks/RESULTS.md. 0: never.
 #   qkv:     RMSNorm (input_layernorm, with the residual add) + the QKV product (+ RoPE and the KV store, on the GEMV)
 #   o:       the attention output projection

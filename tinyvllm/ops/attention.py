@@ -581,7 +581,7 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
 
 # Launch configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages) for prefill, (BLOCK_N, num_warps,
 # num_stages) for decode. Fixed heuristics, no autotuning (the interpreter cannot autotune, and decode
-# must launch identically inside CUDA graphs); benchmarks/bench_kernels.py --sweep times the alternatives.
+# must launch identically inside CUDA graphs); benchmarks/bench_attention.py --sweep times the alternatives.
 PrefillConfig = tuple[int, int, int, int]
 DecodeConfig = tuple[int, int, int]
 
@@ -646,11 +646,11 @@ def paged_prefill_triton(
 
 # Tokens: the shortest piece a split gets (one 64-key tile). At batch 1, where a few programs walk each context
 # serially, more and shorter splits read the KV faster than a few long ones; large batches are unaffected (the
-# program target below caps them at one split). The sweep in benchmarks/bench_kernels.py (--sweep decode) chose
+# program target below caps them at one split). The sweep in benchmarks/bench_attention.py (--sweep decode) chose
 # this; figures in benchmarks/RESULTS.md.
 _DECODE_MIN_PARTITION = 64
-# About 4 programs per SM of an H100/H200: at batch 64 one split (512 programs) beat the two that a target of 1024
-# gave. The same sweep chose this; figures in benchmarks/RESULTS.md.
+# About 4 programs per SM of an H100/H200: past it, a split more costs more in partial results than it adds in
+# parallel reads. The same sweep chose this; figures in benchmarks/RESULTS.md.
 _DECODE_TARGET_PROGRAMS = 512
 _DECODE_MAX_SPLITS = 64  # the combine kernel holds all splits of a head in registers
 

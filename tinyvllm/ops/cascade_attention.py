@@ -41,11 +41,11 @@ try:
 except ImportError:  # the CPU engine uses the references on machines without Triton
     triton = None
 
-# When cascade attention pays (to tune on the GPU: benchmarks/bench_kernels.py --cascade, shared_prefix.py
+# When cascade attention pays (to tune on the GPU: benchmarks/bench_cascade.py, shared_prefix.py
 # --cascade-off): a prefix shorter than this many tokens costs the plain kernel little to read per sequence, and
 # below this many sequences the prefix pass's extra launch and partial results outweigh the reads it saves.
 CASCADE_MIN_PREFIX_TOKENS = 256
-CASCADE_MIN_SEQS = 32  # (the smallest batch where cascade attention won its measurement)
+CASCADE_MIN_SEQS = 32  # (the smallest batch where cascade attention pays, as measured)
 
 
 def use_cascade_attention(common_prefix_len: int, num_seqs: int) -> bool:
@@ -199,8 +199,7 @@ PrefixConfig = tuple[int, int, int]
 
 # The prefix pass aims at this many programs (KV heads x row tiles x prefix splits), in at least
 # _CASCADE_MIN_PREFIX_SPLITS splits: enough to spread a prefix over the GPU, while each split adds a partial result
-# per (sequence, head) row to write and merge. The GPU sweep tunes these (benchmarks/bench_kernels.py --cascade
-# --sweep cascade): at 8 to 256 sequences these give its best plan or one within 2% (figures in
+# per (sequence, head) row to write and merge. The GPU sweep of the cascade benchmark tunes these (figures in
 # benchmarks/RESULTS.md).
 _CASCADE_TARGET_PROGRAMS = 128
 _CASCADE_MIN_PREFIX_SPLITS = 2

@@ -13,8 +13,8 @@ fused into the same launch:
 - `fused_linear`: the plain product (o_proj, down_proj), as linear.py's kernel, with the early weight loads below.
 
 Up to gemv.GEMV_MAX_ROWS rows of an output-major weight, the same entry points launch gemv.py's GEMV instead (one
-program per few whole rows of W, every weight loaded before the PDL wait): at batch 1 it beat cuBLAS where this
-tiled kernel lost (benchmarks/RESULTS.md).
+program per few whole rows of W, every weight loaded before the PDL wait): at batch 1 it is faster than both
+cuBLAS and this tiled kernel (benchmarks/RESULTS.md).
 
 Tiles and split-K are linear.py's (skinny_matmul_config; the split partials summed in the launch by the last
 program of each tile, in split order). With programmatic dependent launch (ops/pdl.py) each program loads its

@@ -50,10 +50,10 @@ class GemvConfig(NamedTuple):
     block_n: int  # rows of W per program (gate and up rows each, with SILU_MUL; pairs of a head's halves, with ROPE)
     num_warps: int = 4
     # The RMSNorm prologue in the GEMV (each program computes the norm itself) or, False, in layernorm.py's kernel
-    # before a plain GEMV (benchmarks/bench_kernels.py --fused times both)
+    # before a plain GEMV (benchmarks/bench_fused.py times both)
     fuse_norm: bool = True
     # A cap on the registers a thread may use (ptxas spills the rest): fewer registers, more programs (and weight
-    # bytes in flight) per SM. None: as many as ptxas likes. benchmarks/bench_kernels.py --fused --sweep times caps.
+    # bytes in flight) per SM. None: as many as ptxas likes. benchmarks/bench_fused.py --sweep times caps.
     max_registers: int | None = None
 
 

@@ -90,8 +90,8 @@ if triton is not None:
 
 
 def rms_norm_config(num_rows: int, hidden: int) -> tuple[int, int]:
-    """(ROWS per program, num_warps): one row, a warp per 512 columns. The sweep in benchmarks/bench_kernels.py
-    (--sweep rms_norm: rows per program x warps, beside a copy kernel with the same grid) chose this at hidden
+    """(ROWS per program, num_warps): one row, a warp per 512 columns. The sweep in benchmarks/bench_elementwise.py
+    (--sweep: rows per program x warps, beside a copy kernel with the same grid) chose this at hidden
     2048, where the norm then runs as fast as that copy; figures in benchmarks/RESULTS.md."""
     block = triton.next_power_of_2(hidden)
     return 1, min(max(block // 512, 1), 16)

@@ -2,8 +2,8 @@
 
 At decode the products read every weight once and do 2*M FLOPs per weight element, so they are copies of W
 with a little arithmetic: their floor is W's bytes over the copy bandwidth. On the H200 cuBLAS reaches that on
-the large shapes but not on the small ones (o_proj 2048x2048 at a third of the copy ceiling at M = 1,
-benchmarks/RESULTS.md): too few blocks, or a separate split-K reduce kernel. The kernel here splits W into
+the large shapes but not on the small ones (benchmarks/RESULTS.md): too few blocks, or a separate split-K reduce
+kernel. The kernel here splits W into
 enough tiles to keep every SM streaming (splitting K where N alone gives too few), and the last program of
 each column tile to finish sums the split partials in the same launch (a counter per tile), so a product is
 one launch whatever the split.
@@ -57,7 +57,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 def skinny_matmul_config(m: int, n: int, k: int, k_contiguous: bool, num_sms: int = _CPU_SMS) -> SkinnyConfig:
-    """Tiles and split from the shape, as the H200 sweeps of benchmarks/bench_kernels.py --gemv-sweep ranked
+    """Tiles and split from the shape, as the H200 sweeps of benchmarks/bench_gemv.py --sweep ranked
     them (benchmarks/RESULTS.md). A GEMV for one row of the LM head's layout (rows of K contiguous: 16 rows of
     W per program, 512-byte runs of each). Otherwise tl.dot on 64 columns, 16-64 rows and K steps of 128: at
     M = 1 the rows padded to 16 cost no bandwidth, and its pipelined K loop (cp.async, 3 stages) streamed the
@@ -72,9 +72,8 @@ def skinny_matmul_config(m: int, n: int, k: int, k_contiguous: bool, num_sms: in
 
 def split_k_for(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, num_sms: int) -> int:
     """The largest power-of-two split of K that keeps the grid within _PROGRAMS_PER_SM programs per SM (one
-    for 64-row tiles) and leaves at least two BLOCK_K steps per split (the loop's loads then overlap). More,
-    smaller programs, each moving less and leaving a larger reduce to the last program of a tile, lost on the
-    H200 (down_proj and gate_up at M <= 16, benchmarks/RESULTS.md)."""
+    for 64-row tiles) and leaves at least two BLOCK_K steps per split (the loop's loads then overlap): more,
+    smaller programs each move less and leave a larger reduce to the last program of a tile."""
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     target = (1 if block_m >= 64 else _PROGRAMS_PER_SM) * num_sms
     split = 1
