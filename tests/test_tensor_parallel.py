@@ -265,6 +265,28 @@ def test_engine_greedy_outputs_equal_one_rank(checkpoints, name, async_schedulin
     assert two == one
 
 
+def test_prompt_logprobs_with_two_ranks(checkpoints):
+    """Each rank computes its share of the prompt rows' logits, chunk by chunk beside rank 0's: the prompt logprobs
+    (chunked prefill, mixed with decodes) are one rank's."""
+    from tinyvllm import LLM, SamplingParams
+
+    prompts = [[(5 * i + 3 * j) % 240 + 2 for j in range(9 + 13 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)
+    results = []
+    for size in (1, 2):
+        llm = LLM(checkpoints["gqa-tied-odd-vocab"], device="cpu", skip_tokenizer_init=True, num_kv_blocks=32,
+                  block_size=16, max_num_batched_tokens=24, tensor_parallel_size=size)
+        try:
+            results.append([o.prompt_logprobs for o in llm.generate(prompts, params, use_tqdm=False)])
+        finally:
+            llm.llm_engine.shutdown()
+    for one, two in zip(*results):
+        assert len(one) == len(two) and one[0] is None and two[0] is None
+        for a, b in zip(one[1:], two[1:]):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 and a[t].rank == b[t].rank for t in a)
+
+
 def test_fp8_kv_cache_with_two_ranks(checkpoints):
     """kv_cache_dtype="fp8": each rank allocates its own float8 cache (of its KV heads); outputs as one rank's."""
     from tinyvllm import SamplingParams

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from tinyvllm.outputs import Logprob
 from tinyvllm.sampling_params import SamplingParams
 
@@ -27,6 +29,9 @@ class NewSequence:
     params: SamplingParams
     seed: int  # the sequence's base seed; each draw's seed derives from it and the output count
     stop_token_ids: tuple[int, ...]  # what min_tokens keeps from being drawn (EOS unless ignore_eos, stop ids)
+    # The first prompt position whose logprob the runner computes (SamplingParams.prompt_logprobs), up to the
+    # prompt's end; None: none (not asked, another of the request's n completions, or all sent already).
+    prompt_logprobs_from: int | None = None
 
 
 class SequenceError(Exception):
@@ -63,6 +68,26 @@ class SchedulerOutput:
 
 
 @dataclass
+class PromptLogprobsChunk:
+    """The logprobs of one sequence's prompt tokens at positions first .. first + L - 1, which one step scored, as
+    arrays (they cross the pipe to the API process: a few arrays pickle in microseconds, L x (k + 1) small objects
+    do not). Column 0 is the prompt's own token, columns 1..k the top k at its place (vLLM's LogprobsTensors)."""
+
+    first: int
+    token_ids: np.ndarray  # [L, 1 + k] int64
+    logprobs: np.ndarray  # [L, 1 + k] float32
+    ranks: np.ndarray  # [L] int64: the prompt token's rank (1: the most likely)
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def since(self, position: int) -> PromptLogprobsChunk:
+        """The rows from `position` on (a recomputed chunk after a preemption scores some positions again)."""
+        skip = max(0, position - self.first)
+        return PromptLogprobsChunk(self.first + skip, self.token_ids[skip:], self.logprobs[skip:], self.ranks[skip:])
+
+
+@dataclass
 class ModelRunnerOutput:
     """The tokens a step sampled for each sequence whose last known token was in the step: a list each, of one
     token, or of several where the step verified proposed tokens and accepted some."""
@@ -71,6 +96,9 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: list[list[dict[int, Logprob]] | None]  # per sampled sequence, a dict per token, where asked
     gpu_time_ms: float | None = None  # the step's device time, when the engine asked for it
+    # By sequence, the prompt logprobs the step scored (NewSequence.prompt_logprobs_from): any sequence with prompt
+    # tokens in the step, sampled or not
+    prompt_logprobs: dict[int, PromptLogprobsChunk] = field(default_factory=dict)
 
 
 @dataclass
@@ -93,6 +121,9 @@ class EngineCoreOutputs:
     first: dict[int, tuple[int, float, float | None, float]] = field(default_factory=dict)
     # request id -> why the engine could not serve it: its unfinished completions end with finish_reason "error"
     errors: dict[str, str] = field(default_factory=dict)
+    # request id -> its prompt's logprobs scored since the last outputs, in prompt order (they come before its
+    # first token: a step that computes a prompt chunk samples nothing)
+    prompt_logprobs: dict[str, list[PromptLogprobsChunk]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -107,12 +138,15 @@ class EngineCoreOutputs:
             for entry, value in theirs.items():
                 mine[entry + offset] = value
         self.errors.update(other.errors)
+        for request_id, chunks in other.prompt_logprobs.items():
+            self.prompt_logprobs.setdefault(request_id, []).extend(chunks)
 
-    def select(self, entries: list[int], errors: dict[str, str]) -> EngineCoreOutputs:
-        """The given entries (in that order) and errors as outputs of their own: one API process's share of a
-        step."""
+    def select(self, entries: list[int], errors: dict[str, str],
+               prompt_logprobs: dict[str, list[PromptLogprobsChunk]]) -> EngineCoreOutputs:
+        """The given entries (in that order), errors and prompt logprobs as outputs of their own: one API
+        process's share of a step."""
         out = EngineCoreOutputs([self.request_ids[e] for e in entries], [self.indexes[e] for e in entries],
-                                [self.token_ids[e] for e in entries], errors=errors)
+                                [self.token_ids[e] for e in entries], errors=errors, prompt_logprobs=prompt_logprobs)
         for mine, theirs in zip(out._sparse(), self._sparse()):
             if theirs:
                 for new, old in enumerate(entries):

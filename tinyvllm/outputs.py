@@ -14,6 +14,8 @@ class Logprob:
 
 # One entry per generated token: token id -> Logprob (the chosen token and the top-N).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: None for the first (nothing comes before it), then as SampleLogprobs' entries.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -55,6 +57,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: the prompt's, in the request's first output (a delta stream's first
+    # only) and every later one that holds everything so far
+    prompt_logprobs: PromptLogprobs | None = None
 
     def add(self, later: RequestOutput) -> None:
         """Merge a later delta output of the same request into this one: a stream whose reader fell behind
@@ -67,5 +72,6 @@ class RequestOutput:
             mine.finish_reason, mine.stop_reason = theirs.finish_reason, theirs.stop_reason
             mine.cumulative_logprob = theirs.cumulative_logprob
         self.finished = later.finished
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
         self.metrics = later.metrics
         self.num_cached_tokens = later.num_cached_tokens

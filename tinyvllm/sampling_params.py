@@ -45,6 +45,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # The log-probability of each prompt token (after the first) and of the top prompt_logprobs at its place
+    # (RequestOutput.prompt_logprobs): what evaluation harnesses score a prompt with.
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -72,6 +75,9 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        require(self.prompt_logprobs is None
+                or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+                f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         require(_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
                 f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
         require(_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,

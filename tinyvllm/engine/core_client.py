@@ -19,7 +19,7 @@ import signal
 import time
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeVar
 
 from tinyvllm.config import Config
 from tinyvllm.contract import EngineCoreOutputs
@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 1800.0  # model load, GGUF conversion, graph capture
 _GC_YOUNG_THRESHOLD = 10_000  # the core process's allocations between young-generation collections (Python: 700)
+T = TypeVar("T")
 
 
 class EngineCoreDeadError(RuntimeError):
@@ -128,14 +129,12 @@ class _CoreServer:
                 owner = self.owners.get(request_id)
                 if owner is not None:
                     shares[owner].append(entry)
-            errors: dict[Connection, dict[str, str]] = {}
-            for request_id, message in outputs.errors.items():
-                if request_id in self.owners:
-                    errors.setdefault(self.owners[request_id], {})[request_id] = message
+            errors, prompt_logprobs = self._by_owner(outputs.errors), self._by_owner(outputs.prompt_logprobs)
             now = time.monotonic()
             for conn in list(self.live):
                 if conn in shares:
-                    self._send(core, conn, ("outputs", outputs.select(shares[conn], errors.get(conn, {})), stats))
+                    share = outputs.select(shares[conn], errors.get(conn, {}), prompt_logprobs.get(conn, {}))
+                    self._send(core, conn, ("outputs", share, stats))
                 elif now - self.last_sent.get(conn, 0.0) >= 0.1:
                     self._send(core, conn, ("outputs", EngineCoreOutputs(), stats))
                 else:
@@ -147,6 +146,14 @@ class _CoreServer:
                 self.owners.pop(request_id, None)
         for request_id in outputs.errors:
             self.owners.pop(request_id, None)
+
+    def _by_owner(self, by_request: dict[str, T]) -> dict[Connection, dict[str, T]]:
+        """A column keyed by request id, split by the API process that owns each request."""
+        split: dict[Connection, dict[str, T]] = {}
+        for request_id, value in by_request.items():
+            if request_id in self.owners:
+                split.setdefault(self.owners[request_id], {})[request_id] = value
+        return split
 
     def _send(self, core: Any, conn: Connection, message: tuple) -> None:
         try:

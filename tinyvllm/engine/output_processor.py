@@ -1,7 +1,8 @@
 """The output processor: from the engine core's new tokens to RequestOutputs. Incremental detokenization,
-stop strings (which the core cannot see: they are text), logprobs' token text, and what each output
-carries: everything so far ("cumulative"), only what is new ("delta"), or only the final result
-("final_only"). Every entry point (LLM, CLI, server) goes through it."""
+stop strings (which the core cannot see: they are text), logprobs' token text, prompt logprobs (which the core
+sends as arrays, chunk by chunk, before the first token), and what each output carries: everything so far
+("cumulative"), only what is new ("delta"), or only the final result ("final_only"). Every entry point (LLM, CLI,
+server) goes through it."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tinyvllm.contract import EngineCoreOutputs
-from tinyvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tinyvllm.contract import EngineCoreOutputs, PromptLogprobsChunk
+from tinyvllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import IncrementalDetokenizer
 
@@ -46,6 +47,8 @@ class _RequestState:
     output_kind: str
     completions: list[_Completion]
     metrics: RequestMetrics
+    prompt_logprobs: PromptLogprobs | None = None  # (SamplingParams.prompt_logprobs) as they come
+    prompt_logprobs_reported: bool = False  # (a delta stream reports them once)
 
     @property
     def finished(self) -> bool:
@@ -65,7 +68,8 @@ class OutputProcessor:
         completions = [_Completion(i, None if self.tokenizer is None else IncrementalDetokenizer(
             self.tokenizer, params.skip_special_tokens)) for i in range(params.n)]
         self.requests[request_id] = _RequestState(request_id, prompt, prompt_token_ids, params, output_kind,
-                                                  completions, RequestMetrics(arrival_time=arrival_time))
+                                                  completions, RequestMetrics(arrival_time=arrival_time),
+                                                  None if params.prompt_logprobs is None else [None])
 
     def abort_request(self, request_id: str) -> bool:
         """Forget a request; True if it was still unfinished."""
@@ -78,6 +82,11 @@ class OutputProcessor:
         touched: dict[str, _RequestState] = {}
         stopped: list[StoppedByString] = []
         requests, finished, logprobs, first = self.requests, outputs.finished, outputs.logprobs, outputs.first
+        for request_id, chunks in outputs.prompt_logprobs.items():
+            request = requests.get(request_id)
+            if request is not None and request.prompt_logprobs is not None:
+                for chunk in chunks:
+                    request.prompt_logprobs += self._prompt_logprobs(chunk)
         for entry, (request_id, index, token) in enumerate(zip(outputs.request_ids, outputs.indexes,
                                                                outputs.token_ids)):
             request = requests.get(request_id)
@@ -142,6 +151,21 @@ class OutputProcessor:
             completion.finish_reason, completion.stop_reason = finish
         return False
 
+    def _prompt_logprobs(self, chunk: PromptLogprobsChunk) -> PromptLogprobs:
+        """A chunk's rows as Logprob dicts: the prompt token with its rank, then the top k ranked 1..k."""
+        token_ids, values, ranks = chunk.token_ids.tolist(), chunk.logprobs.tolist(), chunk.ranks.tolist()
+        texts: dict[int, str | None] = {}
+        if self.tokenizer is not None:
+            unique = list({t for row in token_ids for t in row})
+            texts = dict(zip(unique, self.tokenizer.batch_decode([[t] for t in unique])))
+        result: PromptLogprobs = []
+        for ids, lps, rank in zip(token_ids, values, ranks):
+            entry = {ids[0]: Logprob(lps[0], rank, texts.get(ids[0]))}
+            for top_rank, (token_id, value) in enumerate(zip(ids[1:], lps[1:]), start=1):
+                entry.setdefault(token_id, Logprob(value, top_rank, texts.get(token_id)))
+            result.append(entry)
+        return result
+
     @staticmethod
     def _truncate_at_stop(params: SamplingParams, completion: _Completion, text_before: int) -> bool:
         """If a stop string appeared in the new text, cut the output there (keeping the stop string only if
@@ -173,8 +197,14 @@ class OutputProcessor:
                 tokens = list(tokens)
             results.append(CompletionOutput(c.index, text, tokens, c.finish_reason, c.stop_reason, logprobs,
                                             c.cumulative_logprob if want_logprobs else None))
+        # (the prompt's logprobs once all are in: before the first token, unless a preemption held them back)
+        prompt_logprobs = request.prompt_logprobs
+        if prompt_logprobs is not None and (len(prompt_logprobs) < len(request.prompt_token_ids)
+                                            or (delta and request.prompt_logprobs_reported)):
+            prompt_logprobs = None
+        request.prompt_logprobs_reported |= prompt_logprobs is not None
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, results, finished,
-                             request.metrics, request.metrics.num_cached_tokens)
+                             request.metrics, request.metrics.num_cached_tokens, prompt_logprobs)
 
 
 def _visible_text(params: SamplingParams, completion: _Completion) -> str:

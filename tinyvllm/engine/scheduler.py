@@ -9,7 +9,9 @@ than computing it again (requests that arrive together with one long shared prom
 SGLang's scheduler does). A prompt block enters the cache as soon as the step computing it is launched
 (cache_launched), so the waiting request is seated in the next step. When the KV pool runs dry,
 the youngest running sequence is preempted: its blocks are freed and it goes back to the front of
-the queue, to be recomputed later, so no request is ever dropped.
+the queue, to be recomputed later, so no request is ever dropped. A request that asks for prompt logprobs computes
+its whole prompt (the prefix cache holds K/V, not the logits it needs; vLLM does the same) and is owed each prompt
+position once, however often a preemption makes it compute them.
 
 A step's output is plain data (contract.SchedulerOutput): the model runner never sees a Sequence. A
 sequence whose last token is in the step gets a placeholder (Sequence.num_output_placeholders) until the
@@ -129,7 +131,8 @@ class Scheduler:
                 seq = self.waiting[0]
                 if seq.num_output_placeholders:
                     break
-                if self.share_prefix_computation and self.block_manager.is_being_computed(seq):
+                if self.share_prefix_computation and not seq.scores_prompt and \
+                        self.block_manager.is_being_computed(seq):
                     deferred.append(self.waiting.popleft())
                     if len(deferred) >= seats:  # (as many as could have been seated: look no further)
                         break
@@ -186,7 +189,8 @@ class Scheduler:
             if seq.num_sent_blocks < 0:
                 out.new_seqs.append(NewSequence(
                     seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, seq.num_computed_tokens,
-                    list(seq.block_table), seq.params, seq.seed, tuple(seq.stop_token_ids)))
+                    list(seq.block_table), seq.params, seq.seed, tuple(seq.stop_token_ids),
+                    seq.prompt_logprobs_next if seq.scores_prompt else None))
                 seq.num_sent_blocks = num_blocks
             elif num_blocks > seq.num_sent_blocks:
                 out.new_block_ids[seq.seq_id] = seq.block_table[seq.num_sent_blocks:]
@@ -223,7 +227,7 @@ class Scheduler:
         A sequence without blocks first takes what the prefix cache holds of it, and claims the full blocks
         after that, which it computes."""
         starting = not seq.block_table
-        cached = self.block_manager.find_cached_prefix(seq) if starting else []
+        cached = self.block_manager.find_cached_prefix(seq) if starting and not seq.scores_prompt else []
         num_computed = max(seq.num_computed_tokens, len(cached) * self.block_manager.block_size)
         num_new = min(seq.num_tokens - num_computed, budget)
         if not self.block_manager.allocate(seq, num_new, cached):
@@ -260,6 +264,14 @@ class Scheduler:
         outputs = EngineCoreOutputs(request_ids, indexes, token_ids)
         finished: list[Sequence] = []
         seqs = self.seqs
+        for seq_id, chunk in result.prompt_logprobs.items():
+            seq = seqs.get(seq_id)
+            if seq is not None and seq.scores_prompt:  # (what a preempted sequence's recomputation scores again goes)
+                assert chunk.first <= seq.prompt_logprobs_next, "prompt logprobs scored out of order"
+                chunk = chunk.since(seq.prompt_logprobs_next)
+                if len(chunk):
+                    outputs.prompt_logprobs.setdefault(seq.request_id, []).append(chunk)
+                    seq.prompt_logprobs_next = chunk.first + len(chunk)
         for seq_id, new_tokens, new_logprobs in zip(result.seq_ids, result.sampled_token_ids, result.logprobs):
             seq = seqs.get(seq_id)
             if seq is None:  # it stopped at its previous token, or was aborted: these tokens are dropped

@@ -48,6 +48,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # The next prompt position whose logprob the request is owed (SamplingParams.prompt_logprobs: of its first
+        # completion alone), up to num_prompt_tokens; None: none are.
+        self.prompt_logprobs_next = 1 if params.prompt_logprobs is not None and index == 0 else None
         self.queued_time = time.time()  # when the engine core took it in (wall clock, as the API process's)
         self.first_scheduled_time: float | None = None
 
@@ -64,6 +67,12 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt logprobs are still owed: the prompt's tokens are computed (not read from the prefix
+        cache, which keeps K/V but no logits) until they are all scored."""
+        return self.prompt_logprobs_next is not None and self.prompt_logprobs_next < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -39,6 +39,8 @@ class InputBatch:
         self.num_sent = np.zeros(capacity, dtype=np.int64)  # tokens sent with the sequence (NewSequence)
         self.num_known = np.zeros(capacity, dtype=np.int64)  # tokens read back (those in flight not)
         self.last_token = np.zeros(capacity, dtype=np.int64)  # the newest of them
+        # The next prompt position owed a logprob (NewSequence.prompt_logprobs_from; 0: none)
+        self.prompt_logprobs_from = np.zeros(capacity, dtype=np.int64)
         # Per row: the tokens sent with the sequence (with penalties: and every token read back since), the
         # parameters, min_tokens' stop ids.
         self.token_ids: list[list[int]] = [[] for _ in range(capacity)]
@@ -46,7 +48,8 @@ class InputBatch:
         self.stop_token_ids: list[tuple[int, ...]] = [()] * capacity
 
     _ARRAYS = ("block_tables", "num_blocks", "num_computed", "num_tokens", "num_prompt", "temperature", "top_k",
-               "top_p", "min_p", "seeds", "needs", "seq_ids", "num_sent", "num_known", "last_token")
+               "top_p", "min_p", "seeds", "needs", "seq_ids", "num_sent", "num_known", "last_token",
+               "prompt_logprobs_from")
 
     def _grow(self) -> None:
         old = self.block_tables.shape[0]
@@ -91,6 +94,7 @@ class InputBatch:
         self.seq_ids[row] = new.seq_id
         self.num_sent[row] = self.num_known[row] = len(new.token_ids)
         self.last_token[row] = new.token_ids[-1]
+        self.prompt_logprobs_from[row] = new.prompt_logprobs_from or 0
         self.token_ids[row] = new.token_ids
         self.params[row] = p
         self.stop_token_ids[row] = new.stop_token_ids

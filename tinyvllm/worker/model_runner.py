@@ -26,6 +26,7 @@ from tinyvllm.ops.cascade_attention import common_prefix_len, use_cascade_attent
 from tinyvllm.worker.cuda_graphs import CudaGraphs, PiecewiseCudaGraphs, size_ladder
 from tinyvllm.worker.input_batch import LOGPROBS, MIN_TOKENS, PENALTIES, InputBatch
 from tinyvllm.worker.kv_cache import allocate_kv_cache, decide_num_blocks
+from tinyvllm.worker.prompt_logprobs import PromptScoring, find_prompt_scoring, score
 from tinyvllm.worker.sampler import AsyncModelRunnerOutput, Sampler, SamplingTensors, step_seeds
 from tinyvllm.worker.staging import Staging, broadcast_step, broadcast_stop, receive_step, views
 
@@ -114,6 +115,9 @@ class ModelInput:
     sampled_rows: np.ndarray
     sampled_seq_ids: list[int]
     sampling: SamplingTensors
+    # The prompt tokens the step scores (prompt logprobs), and its rows and targets on the device
+    scoring: PromptScoring | None = None
+    scoring_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -190,12 +194,13 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------------
     def plan(self, num_seqs: int, num_tokens: int, tail_sampling: SamplingTensors | None = None,
-             shared_prefix: bool = False) -> StepPlan:
+             shared_prefix: bool = False, scores_prompt: bool = False) -> StepPlan:
         """The path of a step of these sequences and tokens. tail_sampling: the step's sampling hints, when every
         sequence samples (a decode graph may then draw the tokens itself); shared_prefix: the step's sequences
-        share a prefix that cascade attention reads once."""
+        share a prefix that cascade attention reads once; scores_prompt: it scores prompt tokens (whose rows a
+        decode graph's input buffer has no place for)."""
         graphs, pieces = self.cuda_graphs, self.piecewise_graphs
-        if graphs is not None and num_tokens == num_seqs and graphs.fits(num_seqs):
+        if graphs is not None and num_tokens == num_seqs and graphs.fits(num_seqs) and not scores_prompt:
             tail = graphs.tail_mode(tail_sampling) if tail_sampling is not None else None
             return StepPlan(Path.DECODE_GRAPH, num_tokens, graphs.batch_size(num_seqs), tail, shared_prefix)
         if pieces is not None and pieces.fits_whole(num_seqs, num_tokens):
@@ -232,15 +237,20 @@ class ModelRunner:
         sample_rows = tokens.rows[sampled]
         hints = self._sampling_hints(sample_rows)
         prefix_len = self._common_prefix_len(tokens)
-        plan = self.plan(n, tokens.total, hints if len(sampled) == n else None, prefix_len is not None)
+        scoring = find_prompt_scoring(batch, tokens.seq_ids, tokens.rows, tokens.starts, tokens.ends,
+                                      tokens.cu_query_lens)
+        tail_sampling = hints if len(sampled) == n and scoring is None else None
+        plan = self.plan(n, tokens.total, tail_sampling, prefix_len is not None, scoring is not None)
         arrays = self._host_inputs(tokens, plan, sampled, prefix_len)
+        if scoring is not None:
+            arrays.update(prompt_rows=scoring.rows, prompt_targets=scoring.targets)
         if not hints.all_greedy:
             num_outputs = batch.num_tokens[sample_rows] - batch.num_prompt[sample_rows]
             arrays.update(temperature=batch.temperature[sample_rows], top_k=batch.top_k[sample_rows],
                           top_p=batch.top_p[sample_rows], min_p=batch.min_p[sample_rows],
                           seeds=step_seeds(batch.seeds[sample_rows], num_outputs))
         sampled_seq_ids = tokens.seq_ids if len(sampled) == n else [tokens.seq_ids[i] for i in sampled.tolist()]
-        return self._upload(arrays, plan, tokens, sample_rows, sampled_seq_ids, hints)
+        return self._upload(arrays, plan, tokens, sample_rows, sampled_seq_ids, hints, scoring)
 
     def _lay_out(self, step: SchedulerOutput) -> StepTokens:
         """The step's positions and slots; the sequences' computed tokens move past it."""
@@ -325,7 +335,7 @@ class ModelRunner:
         return arrays
 
     def _upload(self, arrays: dict[str, np.ndarray], plan: StepPlan, tokens: StepTokens, sample_rows: np.ndarray,
-                sampled_seq_ids: list[int], hints: SamplingTensors) -> ModelInput:
+                sampled_seq_ids: list[int], hints: SamplingTensors, scoring: PromptScoring | None) -> ModelInput:
         """The host inputs on the device in one copy: into a decode graph's own buffer, or the staging buffer's
         next slice (whose views are the step's tensors; with tensor parallelism, broadcast to the other ranks)."""
         num_sampled = len(sample_rows)
@@ -348,8 +358,9 @@ class ModelRunner:
                                  common_prefix_len=t.get("common_prefix_len"), num_decodes=tokens.num_decodes)
         sampling = hints if hints.all_greedy else hints.with_tensors(t["temperature"], t["top_k"], t["top_p"],
                                                                       t["min_p"], t["seeds"])
+        scoring_tensors = None if scoring is None else (t["prompt_rows"], t["prompt_targets"])
         return ModelInput(plan, t["input_ids"], t["positions"], meta, t["logits_indices"], sample_rows,
-                          sampled_seq_ids, sampling)
+                          sampled_seq_ids, sampling, scoring, scoring_tensors)
 
     def _sampling_hints(self, rows: np.ndarray) -> SamplingTensors:
         """What the sampler must know of these rows' parameters to pick its path without reading anything back:
@@ -417,6 +428,10 @@ class ModelRunner:
             empty = torch.empty(0, dtype=torch.int64)
             output = AsyncModelRunnerOutput([], np.empty(0, dtype=np.int64), empty, empty, None, None, None, False,
                                             None, timer)
+        if inputs.scoring is not None:
+            rows, targets = inputs.scoring_tensors
+            output.prompt_scores = (inputs.scoring, score(self.model.compute_logits, executed.hidden[rows], targets,
+                                                          inputs.scoring.max_top_k, self.model_config.vocab_size))
         self._last_output = output
         return output
 
@@ -451,7 +466,8 @@ class ModelRunner:
     @torch.inference_mode()
     def serve_steps(self) -> None:
         """Ranks 1..N-1: run every step rank 0 broadcasts (the forward pass and this rank's share of the
-        logits, whose collectives pair with rank 0's), until it says stop."""
+        logits, those sampled and those of prompt logprobs, whose collectives pair with rank 0's), until it says
+        stop."""
         while (received := receive_step(self.tp, self.device)) is not None:
             t, max_query_len, max_context_len, num_decodes = received
             meta = AttentionMetadata(t["cu_query_lens"], t["context_lens"], t["block_tables"], t["slot_mapping"],
@@ -460,3 +476,6 @@ class ModelRunner:
             hidden = self.model(t["input_ids"], t["positions"], meta)
             if t["logits_indices"].numel():
                 self.model.compute_logits(hidden[t["logits_indices"]])
+            if "prompt_rows" in t:  # (rank 0 scores them after its sampling)
+                score(self.model.compute_logits, hidden[t["prompt_rows"]], t["prompt_targets"], 0,
+                      self.model_config.vocab_size)

@@ -17,10 +17,11 @@ from tinyvllm import ops
 from tinyvllm.contract import ModelRunnerOutput
 from tinyvllm.outputs import Logprob
 from tinyvllm.worker.input_batch import InputBatch
+from tinyvllm.worker.prompt_logprobs import PromptScoring, to_chunks
 
 _MASK64 = (1 << 63) - 1
 # Up to this many all-greedy rows (the default max_num_seqs), our sampling kernel's argmax (split over the
-# vocabulary) beat torch.argmax at every row count measured; above them argmax runs (figures in benchmarks/RESULTS.md).
+# vocabulary) is faster than torch.argmax; above them argmax runs (figures in benchmarks/RESULTS.md).
 _KERNEL_GREEDY_MAX_ROWS = 256
 _SEED_MULTIPLIERS = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
@@ -108,6 +109,8 @@ class AsyncModelRunnerOutput:
         self.has_penalties = has_penalties  # the next step cannot overlap this one: it needs these tokens
         self._host, self._event, self._raw_logprobs = host, event, raw_logprobs
         self._num_logprobs, self._on_ready, self._timer = num_logprobs, on_ready, timer
+        # The step's prompt logprobs on the device (prompt_logprobs.score), set by the runner after sampling
+        self.prompt_scores: tuple[PromptScoring, tuple[torch.Tensor, ...] | None] | None = None
 
     def places(self, rows: np.ndarray) -> np.ndarray:
         """Where in token_ids the tokens of these input batch rows are (rows whose token this step sampled and
@@ -135,7 +138,10 @@ class AsyncModelRunnerOutput:
             start, end = self._timer
             end.synchronize()
             gpu_ms = start.elapsed_time(end)
-        return ModelRunnerOutput(self.seq_ids, token_ids, logprobs, gpu_ms)
+        prompt_logprobs = {}
+        if self.prompt_scores is not None and self.prompt_scores[1] is not None:
+            prompt_logprobs = to_chunks(*self.prompt_scores)
+        return ModelRunnerOutput(self.seq_ids, token_ids, logprobs, gpu_ms, prompt_logprobs)
 
 
 def _logprobs_of(row: torch.Tensor, token: int, top_n: int) -> dict[int, Logprob]:

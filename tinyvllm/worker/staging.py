@@ -27,7 +27,7 @@ from tinyvllm.distributed import TensorParallel
 # other tensor-parallel ranks read fields by name and a new field cannot shift the others.
 FIELDS = ("input_ids", "positions", "slot_mapping", "logits_indices", "cu_query_lens", "context_lens",
           "block_tables", "pending_dst", "pending_src", "temperature", "top_k", "top_p", "min_p", "seeds",
-          "common_prefix_len")
+          "common_prefix_len", "prompt_rows", "prompt_targets")
 FIELD_INDEX = {name: i for i, name in enumerate(FIELDS)}
 
 DTYPE_CODES = {np.dtype(np.int64): 0, np.dtype(np.int32): 1, np.dtype(np.float32): 2}
