@@ -302,6 +302,61 @@ def test_logprobs(live):
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
 
 
+def test_echo_and_prompt_logprobs(live):
+    """What lm-evaluation-harness sends to score a text (echo, logprobs 1, max_tokens 1, temperature 0, the prompt
+    as token ids or text): the prompt's text, then per token (the first null) its logprob and the top ones, then
+    the generated token's; max_tokens 0 echoes the prompt alone; streamed, the echo comes with the first chunk; and
+    vLLM's prompt_logprobs on both endpoints."""
+    http = live.http()
+    text = "The capital of France is Paris"
+    ids = http.post("/tokenize", json={"prompt": text}).json()["tokens"]
+    score = {"model": live.model, "echo": True, "max_tokens": 1, "logprobs": 1, "temperature": 0}
+    by_ids = http.post("/v1/completions", json={**score, "prompt": ids}).json()
+    by_text = http.post("/v1/completions", json={**score, "prompt": text}).json()
+    for answer in (by_ids, by_text):
+        (choice,) = answer["choices"]
+        lp = choice["logprobs"]
+        assert choice["text"].startswith(text) and answer["usage"]["completion_tokens"] == 1
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) + 1
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert all(v <= 0 for v in lp["token_logprobs"][1:]) and "".join(lp["tokens"]) == choice["text"]
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(ids) + 1)]
+        for value, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+            assert 1 <= len(top) <= 2 and max(top.values()) >= value - 1e-6
+    assert by_ids["choices"][0]["logprobs"] == by_text["choices"][0]["logprobs"]
+    plain = http.post("/v1/completions", json={**score, "echo": False, "prompt": ids}).json()["choices"][0]
+    assert plain["logprobs"]["token_logprobs"] == by_ids["choices"][0]["logprobs"]["token_logprobs"][-1:]
+
+    alone = http.post("/v1/completions", json={**score, "prompt": ids, "max_tokens": 0}).json()
+    assert alone["choices"][0]["text"] == text and alone["choices"][0]["finish_reason"] == "length"
+    assert alone["usage"]["completion_tokens"] == 0
+    assert alone["choices"][0]["logprobs"]["token_logprobs"] == by_ids["choices"][0]["logprobs"]["token_logprobs"][:-1]
+
+    with http.stream("POST", "/v1/completions", json={**score, "prompt": ids, "max_tokens": 3, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    streamed = "".join(e["choices"][0]["text"] for e in events)
+    tokens = [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]]
+    whole = http.post("/v1/completions", json={**score, "prompt": ids, "max_tokens": 3}).json()["choices"][0]
+    assert streamed == whole["text"] and tokens == whole["logprobs"]["tokens"]
+
+    vllm_shape = http.post("/v1/completions", json={"model": live.model, "prompt": ids, "max_tokens": 1,
+                                                    "temperature": 0, "prompt_logprobs": 2}).json()["choices"][0]
+    entries = vllm_shape["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    for token, entry, value in zip(ids[1:], entries[1:], by_ids["choices"][0]["logprobs"]["token_logprobs"][1:]):
+        assert entry[str(token)]["logprob"] == pytest.approx(value, abs=1e-5) and 2 <= len(entry) <= 3
+    chat = http.post("/v1/chat/completions", json={"model": live.model, "messages": CHAT_MESSAGES[0],
+                                                   "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+    _assert_error(http.post("/v1/completions", json={**score, "prompt": ids, "stream": True, "prompt_logprobs": 1}),
+                  400, "prompt_logprobs")
+    _assert_error(http.post("/v1/completions", json={"model": live.model, "prompt": ids, "max_tokens": 0}), 400,
+                  "max_tokens")
+    info = http.get("/tokenizer_info").json()
+    assert info["eos_token"] == "<|im_end|>" and "im_start" in info["chat_template"]
+
+
 # ---- many at once ----------------------------------------------------------------------------------------
 def test_32_concurrent_streams_match_offline(live, offline):
     """32 streams at once (each prompt 4 times, completions and chats): each greedy output equals the

@@ -275,6 +275,28 @@ def test_one_sequence_steps_in_whole_graphs(llama_1b: str) -> None:
         assert whole == piecewise == eager
 
 
+def test_prompt_logprobs_through_graphs_match_transformers(llama_1b: str,
+                                                           transformers_logits: dict[int, torch.Tensor]) -> None:
+    """float32: prompt logprobs of the logit test's sequences, chunked by 256 tokens, one alone (its first chunk
+    through a whole graph) and all three together (piecewise graphs, chunks beside decodes), equal transformers'
+    log-softmax; and those of the same steps run eagerly."""
+    from tinyvllm import SamplingParams
+
+    prompts = [logit_ids(n) for n in LOGIT_LENGTHS]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    with float32_llm(llama_1b, max_model_len=2048, max_num_batched_tokens=256, enable_prefix_caching=False) as llm:
+        alone = llm.generate(prompts[1:2], params, use_tqdm=False)[0].prompt_logprobs
+        together = [o.prompt_logprobs for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.llm_engine.engine_core.model_runner.piecewise_graphs = None
+        eager = [o.prompt_logprobs for o in llm.generate(prompts, params, use_tqdm=False)]
+    for prompt, runs in zip(prompts, zip(together, eager, [None, alone, None])):
+        expected = torch.log_softmax(transformers_logits[len(prompt)], dim=-1)
+        for got in (run for run in runs if run is not None):
+            assert len(got) == len(prompt) and got[0] is None
+            errors = [abs(got[i][t].logprob - expected[i - 1, t].item()) for i, t in enumerate(prompt) if i]
+            assert max(errors) < 1e-3, (len(prompt), max(errors))
+
+
 def test_decode_graphs_end_in_the_same_tokens(llama_1b: str) -> None:
     """float32: decode steps through the CUDA graphs that end in tokens (the LM head and the sampler captured)
     draw what the graphs that end in hidden states, with the LM head and the sampler launched after them, draw:

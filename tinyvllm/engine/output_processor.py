@@ -51,6 +51,11 @@ class _RequestState:
     prompt_logprobs_reported: bool = False  # (a delta stream reports them once)
 
     @property
+    def has_prompt_logprobs(self) -> bool:
+        """Whether its prompt logprobs, if it asked for them, are all in: the request has no output before."""
+        return self.prompt_logprobs is None or len(self.prompt_logprobs) == len(self.prompt_token_ids)
+
+    @property
     def finished(self) -> bool:
         for completion in self.completions:  # (a loop, not all(...): this runs for every request every step)
             if completion.finish_reason is None:
@@ -105,8 +110,10 @@ class OutputProcessor:
                     (metrics.num_cached_tokens, metrics.queued_time, metrics.first_scheduled_time,
                      metrics.first_token_engine_time) = first[entry]
             metrics.last_token_time = now
-            # (a final_only request has an output only when it finishes, which takes a completion finishing)
-            if request.output_kind != "final_only" or completion.finish_reason is not None:
+            # (a final_only request has an output only when it finishes, which takes a completion finishing; and a
+            # request with prompt logprobs none before they are all in, which another of its n may precede)
+            if (request.output_kind != "final_only" or completion.finish_reason is not None) and \
+                    request.has_prompt_logprobs:
                 touched[request_id] = request
         for request_id in outputs.errors:  # (the core has dropped them: each unfinished completion ends here)
             request = requests.get(request_id)
@@ -197,11 +204,10 @@ class OutputProcessor:
                 tokens = list(tokens)
             results.append(CompletionOutput(c.index, text, tokens, c.finish_reason, c.stop_reason, logprobs,
                                             c.cumulative_logprob if want_logprobs else None))
-        # (the prompt's logprobs once all are in: before the first token, unless a preemption held them back)
         prompt_logprobs = request.prompt_logprobs
-        if prompt_logprobs is not None and (len(prompt_logprobs) < len(request.prompt_token_ids)
+        if prompt_logprobs is not None and (not request.has_prompt_logprobs
                                             or (delta and request.prompt_logprobs_reported)):
-            prompt_logprobs = None
+            prompt_logprobs = None  # (not all in: only a failed request has an output then)
         request.prompt_logprobs_reported |= prompt_logprobs is not None
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, results, finished,
                              request.metrics, request.metrics.num_cached_tokens, prompt_logprobs)

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over an AsyncLLMEngine, served by uvicorn.
 
     POST /v1/completions, /v1/chat/completions  (stream: server-sent events ending in `data: [DONE]`)
-    GET  /v1/models, /health, /metrics, /version;  POST /tokenize, /detokenize  (as vLLM's)
+    GET  /v1/models, /health, /metrics, /version, /tokenizer_info;  POST /tokenize, /detokenize  (as vLLM's)
 
 A request is validated (pydantic, then SamplingParams, then the engine's own checks) before anything
 is streamed, so a bad one gets a 400 and leaves the others alone. Its body is capped (413 beyond
@@ -347,6 +347,10 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         return JSONResponse(server.models().model_dump())
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> JSONResponse:
+        return JSONResponse(server.tokenizer_info())
 
     # The routes that take a body are plain Starlette routes: each reads and checks its body itself (prepare),
     # so FastAPI's per-request dependency solving would only add to every request's time to first token.

@@ -106,6 +106,7 @@ class SamplingFields(StrictRequest):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None  # each prompt token's logprob and the top ones at its place
 
 
 # ---- /v1/completions --------------------------------------------------------------------------------
@@ -125,12 +126,24 @@ class CompletionLogprobs(OpenAIModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIModel):
+    """vLLM's shape of a prompt logprob: in a list per prompt token (None for the first), by token id."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(OpenAIModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(ResponseFields):
@@ -199,6 +212,7 @@ class ChatCompletionChoice(OpenAIModel):
 class ChatCompletionResponse(ResponseFields):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatCompletionChoice]
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(OpenAIModel):

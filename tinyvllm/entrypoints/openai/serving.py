@@ -28,6 +28,8 @@ from tinyvllm.entrypoints.openai.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokensDetails,
     SamplingFields,
     TokenizeRequest,
@@ -134,6 +136,7 @@ class Prepared:
     requests: list[tuple[str, ProcessedInput]]
     prompt_tokens: int
     logprobs: int | None = None
+    echo: dict[str, Any] | None = None  # (completions' echo) engine request id -> what its choices start with
 
 
 class Choice:
@@ -145,6 +148,7 @@ class Choice:
         self.logprobs: list[dict[int, Logprob]] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # (its request's)
 
 
 class OpenAIServing:
@@ -181,7 +185,8 @@ class OpenAIServing:
         return self.inputs.process(token_ids, params, decode_prompt=False)
 
     @staticmethod
-    def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         if body.logit_bias:
             raise APIError(400, "logit_bias is not supported by this server: remove it", "logit_bias")
         try:
@@ -198,6 +203,7 @@ class OpenAIServing:
                 stop_token_ids=body.stop_token_ids,
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
@@ -230,6 +236,8 @@ class OpenAIServing:
                 cached[output.request_id] = output.num_cached_tokens
                 for completion in output.outputs:
                     choice = choices[(output.request_id, completion.index)]
+                    if output.prompt_logprobs is not None:
+                        choice.prompt_logprobs = output.prompt_logprobs
                     choice.text.append(completion.text)
                     choice.token_ids.extend(completion.token_ids)
                     choice.logprobs.extend(completion.logprobs or [])
@@ -275,6 +283,17 @@ class OpenAIServing:
         strs = list(self.tokenizer.convert_ids_to_tokens(ids)) if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's /tokenizer_info: what a client needs to tokenize and template as the server does (evaluation
+        harnesses ask it instead of looking for the model's tokenizer elsewhere)."""
+        tokenizer = self.inputs.need_tokenizer("/tokenizer_info")
+        info: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__, "model_max_length": self.max_model_len,
+                                "chat_template": getattr(tokenizer, "chat_template", None)}
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            token = getattr(tokenizer, name, None)
+            info[name] = token if isinstance(token, str) else None
+        return info
+
     def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         """(On the input thread.)"""
         self.check_model(body.model)
@@ -296,6 +315,15 @@ def token_text(token_id: int, logprob: Logprob) -> str:
     """A logprob's token as text (the engine decodes it when it has a tokenizer: the server's copy is for
     the input thread only)."""
     return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token_id}"
+
+
+def prompt_logprobs_json(prompt_logprobs: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
+    """vLLM's response shape of prompt logprobs: per prompt token, by token id, its logprob, rank and text."""
+    if prompt_logprobs is None:
+        return None
+    return [None if entry is None else {str(t): PromptLogprob(logprob=lp.logprob, rank=lp.rank,
+                                                               decoded_token=lp.decoded_token)
+                                        for t, lp in entry.items()} for entry in prompt_logprobs]
 
 
 def param_of(message: str, body: Any) -> str | None:

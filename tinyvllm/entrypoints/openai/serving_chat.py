@@ -34,6 +34,7 @@ from tinyvllm.entrypoints.openai.serving import (
     OpenAIServing,
     Prepared,
     check_not_failed,
+    prompt_logprobs_json,
     token_text,
     usage_info,
 )
@@ -81,6 +82,8 @@ class OpenAIServingChat(OpenAIServing):
                                "top_logprobs")
         elif body.top_logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+        if body.stream and body.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs is not available with stream: remove one", "prompt_logprobs")
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         self.inputs.check_text_length(messages, "messages")
         if body.chat_template is None:
@@ -92,7 +95,7 @@ class OpenAIServingChat(OpenAIServing):
         else:
             ids = self.request_templates.render(messages, body.add_generation_prompt, body.chat_template)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        processed = self.process(ids, self.sampling_params(body, requested, top_logprobs))
+        processed = self.process(ids, self.sampling_params(body, requested, top_logprobs, body.prompt_logprobs))
         request_id = random_id("chatcmpl")
         return Prepared(body, request_id, [(request_id, processed)], len(ids), top_logprobs)
 
@@ -118,7 +121,11 @@ class OpenAIServingChat(OpenAIServing):
                                                stop_reason=choice.stop_reason))
         usage = usage_info(prepared.prompt_tokens, sum(len(c.token_ids) for c in choices.values()),
                            sum(cached.values()))
-        response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=result, usage=usage)
+        prompt_logprobs = None
+        if body.prompt_logprobs is not None:
+            prompt_logprobs = prompt_logprobs_json(choices[(request_id, 0)].prompt_logprobs)
+        response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=result, usage=usage,
+                                          prompt_logprobs=prompt_logprobs)
         return JSONResponse(response.model_dump())
 
     async def _stream_chat(self, stream: RequestStream, request_id: str, n: int, prompt_tokens: int,
