@@ -87,13 +87,22 @@ def score(compute_logits: Callable[[torch.Tensor], torch.Tensor | None], hidden:
         logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
         target = targets[rows, None]
         chosen = logp.gather(1, target)
-        ranks.append((logp > chosen).sum(dim=1) + 1)
+        ranks.append(_count_greater(logp, chosen) + 1)
         top = logp.topk(top_k, dim=1)
         ids.append(torch.cat([target, top.indices], dim=1))
         logprobs.append(torch.cat([chosen, top.values], dim=1))
     if not ranks:
         return None
     return torch.cat(ids), torch.cat(logprobs), torch.cat(ranks)
+
+
+def _count_greater(logp: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """How many of each row's values exceed its chosen one. On the CPU a few rows at a time, so that the comparison's
+    mask stays in the cache (a third of the time of one pass over the whole chunk); on a GPU in one pass."""
+    block = logp.shape[0] if logp.is_cuda else 8
+    counts = [(logp[r:r + block] > chosen[r:r + block]).sum(dim=1, dtype=torch.int32)
+              for r in range(0, logp.shape[0], block)]
+    return counts[0] if len(counts) == 1 else torch.cat(counts)
 
 
 def to_chunks(scoring: PromptScoring, scores: tuple[torch.Tensor, ...]) -> dict[int, PromptLogprobsChunk]:
