@@ -1,5 +1,6 @@
 """The `tinyvllm` command on the embedded model, as a new user runs it."""
 
+import json
 import os
 import subprocess
 import sys
@@ -19,6 +20,22 @@ def test_generate_with_the_embedded_model():
     proc = tinyvllm("generate", "What is the capital of France?", "--max-tokens", "24")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
+
+
+def test_generate_with_a_json_schema(tmp_path):
+    """--json-schema FILE: the answer validates against the schema; a schema that is not JSON is a clear error."""
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "confidence": {"type": "integer"}},
+              "required": ["answer", "confidence"], "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    proc = tinyvllm("generate", "Is the sky blue? Answer in JSON.", "--max-tokens", "40", "--json-schema", str(path))
+    assert proc.returncode == 0, proc.stderr
+    answer = json.loads(proc.stdout)
+    assert answer["answer"] in ("yes", "no") and isinstance(answer["confidence"], int)
+    assert set(answer) == set(schema["properties"])
+    path.write_text("{not json")
+    proc = tinyvllm("generate", "Hi", "--json-schema", str(path))
+    assert proc.returncode == 2 and "--json-schema" in proc.stderr
 
 
 def test_chat_keeps_the_history(tiny_text_checkpoint, tiny_text_llm):

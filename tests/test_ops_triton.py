@@ -28,6 +28,7 @@ from tinyvllm.ops.attention import (  # noqa: E402
     paged_decode_triton,
     paged_prefill_triton,
 )
+from tinyvllm.ops.bitmask import apply_token_bitmask_ref, apply_token_bitmask_triton  # noqa: E402
 from tinyvllm.ops.embedding import embedding_ref, embedding_triton  # noqa: E402
 from tinyvllm.ops.layernorm import (  # noqa: E402
     RowNorm,
@@ -69,6 +70,24 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- elementwise
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_apply_token_bitmask(dtype: torch.dtype) -> None:
+    """Rows 1 and 3 of 4 constrained, a vocabulary of 2,100 (two blocks, the last word partial); the reference against
+    a mask spelled out token by token."""
+    logits = torch.randn(4, 2100).to(dtype)
+    allowed = torch.rand(2, 2100) < 0.3
+    allowed[:, 2050] = True
+    words = torch.zeros(2, 66, dtype=torch.int64)
+    for r, v in allowed.nonzero().tolist():
+        words[r, v // 32] |= 1 << (v % 32)
+    bitmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # (bit 31 as int32's sign)
+    rows = torch.tensor([1, 3])
+    expected = logits.clone()
+    expected[rows] = expected[rows].masked_fill(~allowed, float("-inf"))
+    torch.testing.assert_close(apply_token_bitmask_ref(logits.clone(), bitmask, rows), expected)
+    torch.testing.assert_close(apply_token_bitmask_triton(logits.clone(), bitmask, rows), expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -58,6 +58,9 @@ class SchedulerOutput:
     # Proposed (draft) tokens the step verifies, by sequence (speculative decoding; none are proposed yet): they
     # are among the sequence's num_new_tokens.
     scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
+    # The sequences that sample in this step under a grammar (structured output): the engine fills their rows of
+    # the step's GrammarOutput once their tokens before are known
+    structured_seq_ids: list[int] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -65,6 +68,15 @@ class SchedulerOutput:
 
     def is_empty(self) -> bool:
         return not self.seq_ids
+
+
+@dataclass
+class GrammarOutput:
+    """What a step's constrained sequences may draw (structured output), for ModelRunner.sample_tokens: row i of
+    the bitmask is sequence seq_ids[i]'s, token v allowed where bit v % 32 of word v // 32 is set."""
+
+    seq_ids: list[int]
+    bitmask: np.ndarray  # int32 [len(seq_ids), ceil(vocab_size / 32)]
 
 
 @dataclass

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 # Bounds of what one request may ask for, beyond those the model sets (vocabulary, context: the input
 # processor checks those). Each keeps one request from costing the engine out of proportion to its answer:
@@ -28,6 +30,46 @@ def _is_number(value: object) -> bool:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's names): exactly one of a JSON schema (a dict or its JSON text), any JSON
+    object (json_object=True), a regular expression, one of a list of strings, or an EBNF grammar (xgrammar's
+    dialect, GBNF-like). The engine masks every token that would break it, and stops when it is complete."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must give exactly one of json, regex, choice, grammar and "
+                             f"json_object, got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("structured_outputs.json must be a JSON schema: an object, or its JSON text")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"structured_outputs.{name} must be a string")
+        if self.choice is not None and not (isinstance(self.choice, list) and self.choice
+                                            and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, spec): what the grammar compiles from, and its cache key."""
+        if self.json is not None:
+            return "json", self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+        if self.json_object:
+            return "json_object", ""
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        if self.regex is not None:
+            return "regex", self.regex
+        return "grammar", self.grammar or ""
+
+
+@dataclass
 class SamplingParams:
     """temperature=0 is greedy. Every field is checked on construction so that a bad request fails
     before it reaches the engine; what depends on the model (token ids, the context, the engine's max_n) is
@@ -48,6 +90,7 @@ class SamplingParams:
     # The log-probability of each prompt token (after the first) and of the top prompt_logprobs at its place
     # (RequestOutput.prompt_logprobs): what evaluation harnesses score a prompt with.
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -86,6 +129,8 @@ class SamplingParams:
                 f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         require(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**63),
                 f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
+        require(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+                "structured_outputs must be a StructuredOutputsParams")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         require(stops is None or isinstance(stops, (list, tuple)), "stop must be a string or a list of strings")
         stops = list(stops or [])

@@ -6,10 +6,15 @@ With async scheduling, step() launches the next batch before it waits for the on
 host's work (scheduling, building the batch, processing outputs) overlaps the device's. The new batch is
 scheduled as if the tokens in flight were known (placeholders, which the model runner takes from the
 device); a sequence that turns out to have stopped at its token in flight has computed one token in
-vain, which is dropped."""
+vain, which is dropped.
+
+A step with sequences under a grammar (structured output) is launched before the step in flight is read back, but
+sampled only after: its bitmask needs the tokens that step draws. The device runs the new step's forward pass
+meanwhile, as vLLM V1 overlaps it."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import random
@@ -25,8 +30,10 @@ from tinyvllm.distributed import ONE_GPU, TensorParallel, destroy_tensor_paralle
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.scheduler import Scheduler
 from tinyvllm.engine.sequence import Sequence
+from tinyvllm.engine.structured_output import SequenceGrammar, StructuredOutputManager
 from tinyvllm.model.loader import build_model
 from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.tokenizer import load_tokenizer
 from tinyvllm.worker.model_runner import ModelRunner
 from tinyvllm.worker.sampler import AsyncModelRunnerOutput, step_seed
 from tinyvllm.worker.tp_worker import TensorParallelWorkers, free_tcp_init_method
@@ -41,7 +48,7 @@ class _Launched:
     """A step on the device: what was scheduled, its output on its way, and its statistics so far."""
 
     step: SchedulerOutput
-    output: AsyncModelRunnerOutput
+    output: AsyncModelRunnerOutput | None  # (None: not sampled yet, its grammar waiting for the step before)
     stats: StepStats | None  # only when someone watches
 
 
@@ -65,6 +72,9 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    resolved.max_model_len, config.scheduling)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        self.structured_output = StructuredOutputManager(lambda: load_tokenizer(resolved.model_path),
+                                                         model_config.vocab_size)
+        self._compiling: list[tuple[str, SequenceGrammar]] = []  # requests whose grammar is compiling
         self.requests: dict[str, list[Sequence]] = {}
         self._errors: dict[str, str] = {}  # requests failed since the last outputs (EngineCoreOutputs.errors)
         self._seq_ids = itertools.count()
@@ -94,6 +104,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do for one rank). The core is unusable after."""
+        self.structured_output.shutdown()
         if self.workers is not None:
             try:
                 if self.workers.all_alive():  # (a dead one would leave the others waiting in the broadcast)
@@ -119,6 +130,11 @@ class EngineCore:
             seed = self._rng.getrandbits(63) if params.seed is None else step_seed(params.seed, -1 - index)
             seqs.append(Sequence(next(self._seq_ids), request_id, index, prompt_token_ids, params, seed, stop_tokens,
                                  self.eos_token_ids))
+        if params.structured_outputs is not None:
+            grammar = self.structured_output.grammar(params.structured_outputs)
+            for seq in seqs:
+                seq.grammar = grammar if seq.index == 0 else self.structured_output.share(grammar)
+            self._compiling.append((request_id, grammar))
         self.requests[request_id] = seqs  # (only now, when nothing more can fail)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -148,6 +164,16 @@ class EngineCore:
         if seqs is not None and all(s.is_finished for s in seqs):
             del self.requests[request_id]
 
+    def _check_compiling(self) -> None:
+        """Forget the grammars that compiled; fail the requests whose grammar did not."""
+        compiling = []
+        for request_id, grammar in self._compiling:
+            if not grammar.compiled.done():
+                compiling.append((request_id, grammar))
+            elif grammar.failed is not None and request_id in self.requests:
+                self.fail_request(request_id, f"its structured output did not compile: {grammar.failed}")
+        self._compiling = compiling
+
     def has_unfinished_requests(self) -> bool:
         """Requests to step, or failures not reported yet."""
         return bool(self.requests or self._errors)
@@ -173,15 +199,20 @@ class EngineCore:
         if in_flight is None:
             in_flight = self._launch()
             if in_flight is None:
-                if self.scheduler.has_unfinished():
+                if self._compiling:  # (what waits, waits for its grammar)
+                    concurrent.futures.wait([g.compiled for _, g in self._compiling], timeout=0.05,
+                                            return_when=concurrent.futures.FIRST_COMPLETED)
+                elif self.scheduler.has_unfinished():
                     raise RuntimeError("the scheduler has waiting requests but could schedule none")
                 return self._with_errors(EngineCoreOutputs())
         if self.async_scheduling and not in_flight.output.has_penalties:  # penalties need the tokens on the host
-            self._in_flight = self._launch()
+            self._in_flight = self._launch(sample=False)
         start = time.perf_counter()
         result = in_flight.output.get()
         waited = time.perf_counter()
         outputs = self.scheduler.update_from_output(in_flight.step, result)
+        if self._in_flight is not None and self._in_flight.output is None:  # (its grammar's tokens are known now)
+            self._in_flight.output = self._sample(self._in_flight.step)
         for entry in outputs.finished:
             self._forget_if_done(outputs.request_ids[entry])
         self.num_generation_tokens += len(outputs)
@@ -197,10 +228,13 @@ class EngineCore:
         outputs.errors, self._errors = self._errors, {}
         return outputs
 
-    def _launch(self) -> _Launched | None:
+    def _launch(self, sample: bool = True) -> _Launched | None:
         """Schedule a batch and start it on the device; None if nothing can run now. A sequence the runner refuses
-        (SequenceError) fails its request alone: the step is undone and the rest scheduled again."""
+        (SequenceError) fails its request alone: the step is undone and the rest scheduled again. sample=False: a
+        step with sequences under a grammar is left to sample (_sample) once the step in flight is read back."""
         start = time.perf_counter()
+        if self._compiling:
+            self._check_compiling()
         scheduler = self.scheduler
         preemptions, prompt_tokens = scheduler.num_preemptions, scheduler.num_prompt_tokens
         while True:
@@ -218,7 +252,7 @@ class EngineCore:
                 scheduler.unschedule(step)
                 if seq is not None:
                     self.fail_request(seq.request_id, e.message)
-        output = self.model_runner.sample_tokens()
+        output = self._sample(step) if sample or not step.structured_seq_ids else None
         scheduler.cache_launched()
         stats = None
         if self.step_callbacks:
@@ -233,6 +267,15 @@ class EngineCore:
                               bm.num_blocks, scheduler.num_preemptions - preemptions, (scheduled - start) * 1e3,
                               (launched - scheduled) * 1e3)
         return _Launched(step, output, stats)
+
+    def _sample(self, step: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Sample the step execute_model launched, under its sequences' grammars (their bitmask, filled now)."""
+        grammar = None
+        if step.structured_seq_ids:
+            seqs = [self.scheduler.seqs.get(i) for i in step.structured_seq_ids]
+            live = [s for s in seqs if s is not None and s.grammar is not None]
+            grammar = self.structured_output.bitmask([s.seq_id for s in live], [s.grammar for s in live])
+        return self.model_runner.sample_tokens(grammar)
 
     def get_stats(self) -> dict[str, float]:
         bm = self.block_manager

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from tinyvllm.engine.structured_output import check_structured_outputs
 from tinyvllm.sampling_params import SamplingParams
 
 # A prompt as callers give it: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}
@@ -146,6 +147,14 @@ class InputProcessor:
         text, token_ids = self.tokenize(prompt)
         if self.tokenizer is None and params.stop_strings:
             raise InputError("stop strings need a tokenizer, and this engine runs with skip_tokenizer_init", "stop")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise InputError("structured output needs a tokenizer, and this engine runs with skip_tokenizer_init",
+                                 "structured_outputs")
+            try:
+                check_structured_outputs(params.structured_outputs)
+            except ValueError as e:
+                raise InputError(str(e), "structured_outputs") from None
         max_tokens = self.check_length(len(token_ids), params.max_tokens)
         if params.min_tokens > max_tokens:
             raise InputError(f"min_tokens is {params.min_tokens}, but the prompt's {len(token_ids)} tokens leave room "

@@ -131,8 +131,9 @@ class Scheduler:
                 seq = self.waiting[0]
                 if seq.num_output_placeholders:
                     break
-                if self.share_prefix_computation and not seq.scores_prompt and \
-                        self.block_manager.is_being_computed(seq):
+                if (seq.grammar is not None and not seq.grammar.ready()) or (
+                        self.share_prefix_computation and not seq.scores_prompt
+                        and self.block_manager.is_being_computed(seq)):
                     deferred.append(self.waiting.popleft())
                     if len(deferred) >= seats:  # (as many as could have been seated: look no further)
                         break
@@ -203,6 +204,8 @@ class Scheduler:
             if num_computed == len(seq.token_ids) + seq.num_output_placeholders:  # (Sequence.num_tokens)
                 seq.num_output_placeholders += 1
                 sampling.append(seq)
+                if seq.grammar is not None:
+                    out.structured_seq_ids.append(seq.seq_id)
 
     def _start_running(self, seq: Sequence, now: float) -> None:
         seq.status = SequenceStatus.RUNNING
@@ -279,6 +282,8 @@ class Scheduler:
             seq.num_output_placeholders -= 1
             for i, token in enumerate(new_tokens):
                 seq.token_ids.append(token)
+                if seq.grammar is not None:
+                    seq.grammar.accept(token)
                 entry = len(token_ids)
                 request_ids.append(seq.request_id)
                 indexes.append(seq.index)
@@ -313,6 +318,8 @@ class Scheduler:
             self._set_finished(seq, "stop", None if token in seq.eos_token_ids and not params.ignore_eos else token)
         elif num_outputs >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             self._set_finished(seq, "length", None)
+        elif seq.grammar is not None and seq.grammar.terminated:
+            self._set_finished(seq, "stop", None)
         else:
             return False
         return True

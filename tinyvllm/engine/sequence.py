@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from tinyvllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tinyvllm.engine.structured_output import SequenceGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -51,6 +55,7 @@ class Sequence:
         # The next prompt position whose logprob the request is owed (SamplingParams.prompt_logprobs: of its first
         # completion alone), up to num_prompt_tokens; None: none are.
         self.prompt_logprobs_next = 1 if params.prompt_logprobs is not None and index == 0 else None
+        self.grammar: SequenceGrammar | None = None  # (structured output) it waits in the queue until it compiled
         self.queued_time = time.time()  # when the engine core took it in (wall clock, as the API process's)
         self.first_scheduled_time: float | None = None
 

@@ -7,13 +7,14 @@ import dataclasses
 import difflib
 import functools
 import itertools
+import json
 import os
 import sys
 from collections.abc import Iterator
 from typing import Any
 
 from tinyvllm.config import EngineConfig
-from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -85,8 +86,11 @@ _ids = itertools.count()
 def cmd_generate(args: argparse.Namespace) -> int:
     from tinyvllm import LLM
 
-    llm = LLM(**vars(engine_config(args)))
     params = sampling_params(args)
+    if args.json_schema is not None:
+        params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(
+            json=_read_json_schema(args.json_schema)))
+    llm = LLM(**vars(engine_config(args)))
     prompt: str | list[int] = args.prompt
     tokenizer = llm.get_tokenizer()
     if not args.no_chat and tokenizer is not None and tokenizer.chat_template:
@@ -109,6 +113,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"  {chosen.decoded_token!r:>16} {chosen.logprob:8.3f}" + (f"   (top {params.logprobs}: {top})"
                                                                                 if top else ""))
     return 0
+
+
+def _read_json_schema(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            schema = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--json-schema {path}: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema {path}: a JSON schema is an object, not {type(schema).__name__}")
+    return schema
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -234,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add_parser("generate", help="generate a completion for one prompt, streamed")
     p.add_argument("prompt")
     p.add_argument("--no-chat", action="store_true", help="send the raw prompt, without the chat template")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="answer with JSON that validates against the JSON schema in FILE (structured output)")
     add_engine_args(p, skip=("seed",))  # (--seed is the request's)
     add_sampling_args(p, max_tokens=256)
     p.set_defaults(func=cmd_generate)

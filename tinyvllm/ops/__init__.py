@@ -15,6 +15,7 @@ import torch
 
 from tinyvllm.ops.activation import silu_and_mul_ref
 from tinyvllm.ops.attention import AttentionMetadata, paged_attention_ref
+from tinyvllm.ops.bitmask import apply_token_bitmask_ref
 from tinyvllm.ops.cascade_attention import cascade_attention_ref
 from tinyvllm.ops.decode_inputs import unpack_decode_inputs_ref
 from tinyvllm.ops.embedding import embedding_ref
@@ -25,6 +26,7 @@ from tinyvllm.ops.sampling import sample_ref
 
 __all__ = [
     "AttentionMetadata",
+    "apply_token_bitmask",
     "RopeStore",
     "RowNorm",
     "build_cos_sin_cache",
@@ -117,6 +119,7 @@ def use_decode_kernel(product: str, x: torch.Tensor) -> bool:
     return decode_kernel_on(product, x.device) and x.shape[0] <= DECODE_KERNEL_MAX_ROWS[product]
 
 
+apply_token_bitmask = _dispatch("apply_token_bitmask", apply_token_bitmask_ref)
 embedding = _dispatch("embedding", embedding_ref)
 fused_linear = _dispatch("fused_linear", fused_linear_ref)
 fused_norm_linear = _dispatch("fused_norm_linear", fused_norm_linear_ref)

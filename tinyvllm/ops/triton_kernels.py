@@ -10,6 +10,7 @@ import triton  # noqa: F401  (fail here, not at the first call, where Triton is 
 
 from tinyvllm.ops.activation import silu_and_mul_triton
 from tinyvllm.ops.attention import paged_attention_triton
+from tinyvllm.ops.bitmask import apply_token_bitmask_triton
 from tinyvllm.ops.cascade_attention import cascade_attention_triton
 from tinyvllm.ops.decode_inputs import unpack_decode_inputs_triton
 from tinyvllm.ops.embedding import embedding_triton
@@ -18,6 +19,7 @@ from tinyvllm.ops.rotary import rope_store_triton
 from tinyvllm.ops.sampling import sample_triton
 
 KERNELS: dict[str, Callable[..., Any]] = {
+    "apply_token_bitmask": apply_token_bitmask_triton,
     "embedding": embedding_triton,
     "rms_norm": rms_norm_triton,
     "fused_add_rms_norm": fused_add_rms_norm_triton,

@@ -17,7 +17,7 @@ from tinyvllm.contract import NewSequence
 from tinyvllm.sampling_params import SamplingParams
 
 # What a row's SamplingParams ask of the sampler beyond the kernel (bits of InputBatch.needs)
-PENALTIES, LOGPROBS, MIN_TOKENS = 1, 2, 4
+PENALTIES, LOGPROBS, MIN_TOKENS, STRUCTURED = 1, 2, 4, 8
 
 
 class InputBatch:
@@ -34,7 +34,7 @@ class InputBatch:
         self.top_p = np.ones(capacity, dtype=np.float32)
         self.min_p = np.zeros(capacity, dtype=np.float32)
         self.seeds = np.zeros(capacity, dtype=np.uint64)
-        self.needs = np.zeros(capacity, dtype=np.int8)  # PENALTIES | LOGPROBS | MIN_TOKENS
+        self.needs = np.zeros(capacity, dtype=np.int8)  # PENALTIES | LOGPROBS | MIN_TOKENS | STRUCTURED
         self.seq_ids = np.full(capacity, -1, dtype=np.int64)  # each row's sequence, -1 when free
         self.num_sent = np.zeros(capacity, dtype=np.int64)  # tokens sent with the sequence (NewSequence)
         self.num_known = np.zeros(capacity, dtype=np.int64)  # tokens read back (those in flight not)
@@ -90,7 +90,7 @@ class InputBatch:
         self.top_k[row], self.top_p[row], self.min_p[row] = p.top_k, p.top_p, p.min_p
         self.seeds[row] = new.seed
         self.needs[row] = (PENALTIES * p.has_penalties | LOGPROBS * (p.logprobs is not None)
-                           | MIN_TOKENS * (p.min_tokens > 0))
+                           | MIN_TOKENS * (p.min_tokens > 0) | STRUCTURED * (p.structured_outputs is not None))
         self.seq_ids[row] = new.seq_id
         self.num_sent[row] = self.num_known[row] = len(new.token_ids)
         self.last_token[row] = new.token_ids[-1]

@@ -18,13 +18,13 @@ import torch
 
 from tinyvllm import ops
 from tinyvllm.config import Config
-from tinyvllm.contract import SchedulerOutput, SequenceError
+from tinyvllm.contract import GrammarOutput, SchedulerOutput, SequenceError
 from tinyvllm.distributed import TensorParallel
 from tinyvllm.model.interface import CausalLM
 from tinyvllm.ops import AttentionMetadata
 from tinyvllm.ops.cascade_attention import common_prefix_len, use_cascade_attention
 from tinyvllm.worker.cuda_graphs import CudaGraphs, PiecewiseCudaGraphs, size_ladder
-from tinyvllm.worker.input_batch import LOGPROBS, MIN_TOKENS, PENALTIES, InputBatch
+from tinyvllm.worker.input_batch import LOGPROBS, MIN_TOKENS, PENALTIES, STRUCTURED, InputBatch
 from tinyvllm.worker.kv_cache import allocate_kv_cache, decide_num_blocks
 from tinyvllm.worker.prompt_logprobs import PromptScoring, find_prompt_scoring, score
 from tinyvllm.worker.sampler import AsyncModelRunnerOutput, Sampler, SamplingTensors, step_seeds
@@ -368,7 +368,8 @@ class ModelRunner:
         batch = self.input_batch
         needs = int(np.bitwise_or.reduce(batch.needs[rows])) if len(rows) else 0
         hints = SamplingTensors.greedy(any_penalties=bool(needs & PENALTIES), any_logprobs=bool(needs & LOGPROBS),
-                                       any_min_tokens=bool(needs & MIN_TOKENS))
+                                       any_min_tokens=bool(needs & MIN_TOKENS),
+                                       any_structured=bool(needs & STRUCTURED))
         sampling = batch.temperature[rows] != 0
         if sampling.any():
             top_k, top_p, min_p = batch.top_k[rows], batch.top_p[rows], batch.min_p[rows]
@@ -406,9 +407,10 @@ class ModelRunner:
         self._executed = _Executed(inputs, hidden, tokens, timer)
 
     @torch.inference_mode()
-    def sample_tokens(self) -> AsyncModelRunnerOutput:
+    def sample_tokens(self, grammar: GrammarOutput | None = None) -> AsyncModelRunnerOutput:
         """The tokens of the step execute_model launched (a graph's tail may have drawn them already), on their way
-        to the host; get() also records them in the runner's own histories."""
+        to the host; get() also records them in the runner's own histories. `grammar`: what the step's sequences
+        under a grammar may draw (structured output)."""
         executed, self._executed = self._executed, None
         assert executed is not None, "sample_tokens() without execute_model()"
         inputs, timer, batch, graphs = executed.inputs, executed.timer, self.input_batch, self.cuda_graphs
@@ -418,7 +420,7 @@ class ModelRunner:
             batch.num_tokens[inputs.sampled_rows] += 1
         elif inputs.sampled_seq_ids:
             output = self.sample(executed.hidden[inputs.logits_indices], inputs.sampling, inputs.sampled_rows,
-                                 inputs.sampled_seq_ids, timer)
+                                 inputs.sampled_seq_ids, timer, grammar)
             batch.num_tokens[inputs.sampled_rows] += 1  # the tokens in flight count from now on
             if graphs is not None:
                 graphs.keep_tokens(output.token_ids)
@@ -436,7 +438,8 @@ class ModelRunner:
         return output
 
     def sample(self, hidden: torch.Tensor, sampling: SamplingTensors, rows: np.ndarray, seq_ids: list[int],
-               timer: tuple[torch.cuda.Event, torch.cuda.Event] | None = None) -> AsyncModelRunnerOutput:
+               timer: tuple[torch.cuda.Event, torch.cuda.Event] | None = None,
+               grammar: GrammarOutput | None = None) -> AsyncModelRunnerOutput:
         """The next token of each sequence from the sampled positions' hidden states: row i of `hidden` is the
         input batch's row rows[i], sequence seq_ids[i], and rows past len(seq_ids) are padding (the LM head's
         fixed shapes), dropped. Logprobs, penalties and min_tokens go through the sampler's pass over the rows;
@@ -444,7 +447,7 @@ class ModelRunner:
         batch, n = self.input_batch, len(seq_ids)
         if sampling.needs_host_pass:
             logits = self.model.compute_logits(hidden)[:n]
-            return self.sampler(logits, sampling, batch, rows, seq_ids, batch.record_tokens, timer)
+            return self.sampler(logits, sampling, batch, rows, seq_ids, batch.record_tokens, timer, grammar)
         return self.sampler.output(self.draw(hidden, sampling, n), sampling, batch, rows, seq_ids,
                                    batch.record_tokens, timer)
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from tinyvllm import ops
-from tinyvllm.contract import ModelRunnerOutput
+from tinyvllm.contract import GrammarOutput, ModelRunnerOutput
 from tinyvllm.outputs import Logprob
 from tinyvllm.worker.input_batch import InputBatch
 from tinyvllm.worker.prompt_logprobs import PromptScoring, to_chunks
@@ -63,13 +63,14 @@ class SamplingTensors:
     any_penalties: bool = False
     any_logprobs: bool = False
     any_min_tokens: bool = False
+    any_structured: bool = False  # some row samples under a grammar (its bitmask comes with sample_tokens)
 
     @property
     def needs_host_pass(self) -> bool:
-        """Whether some row asks for logprobs, penalties or min_tokens, which the sampler applies row by row
-        from the host's histories: else the tokens come from the logits and these tensors alone
+        """Whether some row asks for logprobs, penalties, min_tokens or a grammar, which the sampler applies row by
+        row from the host's histories and bitmasks: else the tokens come from the logits and these tensors alone
         (Sampler.draw), which a CUDA graph can hold."""
-        return self.any_penalties or self.any_logprobs or self.any_min_tokens
+        return self.any_penalties or self.any_logprobs or self.any_min_tokens or self.any_structured
 
     @property
     def needs_logits(self) -> bool:
@@ -170,9 +171,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, sampling: SamplingTensors, batch: InputBatch, rows: np.ndarray,
                  seq_ids: list[int], on_ready: OnReady | None = None,
-                 timer: tuple[torch.cuda.Event, torch.cuda.Event] | None = None) -> AsyncModelRunnerOutput:
+                 timer: tuple[torch.cuda.Event, torch.cuda.Event] | None = None,
+                 grammar: GrammarOutput | None = None) -> AsyncModelRunnerOutput:
         """Sample one token for each row of `logits`: row i is the batch's row rows[i], sequence seq_ids[i].
-        Its outputs so far (num_tokens - num_prompt: before this step's token) count for min_tokens."""
+        Its outputs so far (num_tokens - num_prompt: before this step's token) count for min_tokens; the grammar's
+        rows mask what their sequences may draw."""
         # The logits come in the model's dtype. Logprobs are those of the model's own distribution, before
         # penalties and temperature, in float32; penalties are applied in float32 too (as vLLM).
         raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32) if sampling.any_logprobs else None
@@ -180,6 +183,8 @@ class Sampler:
             logits = self._apply_penalties(logits.float(), batch, rows)
         if sampling.any_min_tokens:
             logits = self._apply_min_tokens(logits, batch, rows)
+        if grammar is not None and grammar.seq_ids:
+            logits = self._apply_grammar(logits, grammar, seq_ids)
         return self.output(self.draw(logits, sampling), sampling, batch, rows, seq_ids, on_ready, timer, raw_logprobs)
 
     def draw(self, logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
@@ -244,6 +249,17 @@ class Sampler:
                                         minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
         return logits
+
+    @staticmethod
+    def _apply_grammar(logits: torch.Tensor, grammar: GrammarOutput, seq_ids: list[int]) -> torch.Tensor:
+        """Mask the logits of the rows whose sequences the grammar names (a sequence gone since has none)."""
+        place = {seq_id: i for i, seq_id in enumerate(seq_ids)}
+        pairs = [(place[s], i) for i, s in enumerate(grammar.seq_ids) if s in place]
+        if not pairs:
+            return logits
+        rows = torch.tensor([r for r, _ in pairs], dtype=torch.int64).to(logits.device, non_blocking=True)
+        bitmask = torch.from_numpy(grammar.bitmask[[i for _, i in pairs]]).to(logits.device, non_blocking=True)
+        return ops.apply_token_bitmask(logits.contiguous(), bitmask, rows)
 
     @staticmethod
     def _apply_min_tokens(logits: torch.Tensor, batch: InputBatch, rows: np.ndarray) -> torch.Tensor:

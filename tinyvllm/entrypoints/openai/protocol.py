@@ -107,6 +107,14 @@ class SamplingFields(StrictRequest):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # each prompt token's logprob and the top ones at its place
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs ({"json": ..., "regex": ...,
+    # "choice": [...], "grammar": ..., "json_object": true}) and its older guided_* spellings
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 # ---- /v1/completions --------------------------------------------------------------------------------
@@ -167,8 +175,7 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's chat extras
     add_generation_prompt: bool = True
     chat_template: str | None = None
-    # Refused unless they ask for nothing (no structured output, no tool calling yet): see serving_chat
-    response_format: dict[str, Any] | None = None
+    # Refused unless they ask for nothing (no tool calling yet): see serving_chat
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tinyvllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestAbortedError, RequestStream
-from tinyvllm.engine.input_processor import ProcessedInput
+from tinyvllm.engine.input_processor import InputError, ProcessedInput
 from tinyvllm.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from tinyvllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
@@ -37,7 +38,7 @@ from tinyvllm.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from tinyvllm.outputs import Logprob, RequestOutput
-from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
 
@@ -181,14 +182,25 @@ class OpenAIServing:
                 self.inputs.check_text_length(p)
         return [self.inputs.tokenize(p)[1] for p in prompt]
 
-    def process(self, token_ids: list[int], params: SamplingParams) -> ProcessedInput:
-        return self.inputs.process(token_ids, params, decode_prompt=False)
+    def process(self, token_ids: list[int], params: SamplingParams, body: SamplingFields | None = None
+                ) -> ProcessedInput:
+        """The input processor's checks; a constraint on the output that does not compile is the fault of the
+        field that gave it."""
+        try:
+            return self.inputs.process(token_ids, params, decode_prompt=False)
+        except InputError as e:
+            if e.param == "structured_outputs" and body is not None:
+                field = next((f for f in ("response_format", "structured_outputs", *_GUIDED)
+                              if getattr(body, f) is not None), e.param)
+                raise InputError(re.sub(r"^structured_outputs\.\w+", field, str(e)), field) from None
+            raise
 
     @staticmethod
     def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         if body.logit_bias:
             raise APIError(400, "logit_bias is not supported by this server: remove it", "logit_bias")
+        structured_outputs = structured_outputs_of(body)
         try:
             return SamplingParams(
                 n=body.n,
@@ -204,6 +216,7 @@ class OpenAIServing:
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                structured_outputs=structured_outputs,
                 presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
@@ -315,6 +328,45 @@ def token_text(token_id: int, logprob: Logprob) -> str:
     """A logprob's token as text (the engine decodes it when it has a tokenizer: the server's copy is for
     the input thread only)."""
     return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token_id}"
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_outputs_of(body: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's constraint on its output, from whichever one field gives it: response_format (OpenAI's
+    json_object and json_schema), structured_outputs (vLLM's) or a guided_* field (vLLM's older spellings)."""
+    given = [name for name in ("response_format", "structured_outputs", *_GUIDED) if getattr(body, name) is not None]
+    fmt = body.response_format
+    if fmt is not None and fmt.get("type", "text") == "text":
+        given.remove("response_format")  # (plain text: no constraint)
+    if not given:
+        return None
+    if len(given) > 1:
+        raise APIError(400, f"{' and '.join(given)} each constrain the output: send one of them", given[1])
+    field = given[0]
+    try:
+        if field == "response_format":
+            kind = fmt.get("type")
+            if kind == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if kind != "json_schema":
+                raise APIError(400, f"response_format of type {kind!r} is not supported: use \"text\", "
+                                    "\"json_object\" or \"json_schema\"", field)
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise APIError(400, "response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": "
+                                    "{...}}}", field)
+            return StructuredOutputsParams(json=schema)
+        if field == "structured_outputs":
+            unknown = set(body.structured_outputs) - {"json", "regex", "choice", "grammar", "json_object"}
+            if unknown:
+                raise APIError(400, f"structured_outputs has no field {sorted(unknown)[0]!r}: give one of json, "
+                                    "regex, choice, grammar and json_object", field)
+            return StructuredOutputsParams(**body.structured_outputs)
+        return StructuredOutputsParams(**{_GUIDED[field]: getattr(body, field)})
+    except ValueError as e:
+        raise APIError(400, str(e), field) from e
 
 
 def prompt_logprobs_json(prompt_logprobs: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:

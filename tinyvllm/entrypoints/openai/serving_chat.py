@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: the conversation through the model's chat template, n completions, answered
-whole or streamed as server-sent events. No structured output and no tool calling yet: a request that asks
-for either is refused, rather than answered with free text."""
+whole or streamed as server-sent events; `response_format` (and vLLM's structured_outputs) constrains the answer
+(serving.structured_outputs_of). No tool calling yet: a request that asks for it is refused, rather than answered
+with free text."""
 
 from __future__ import annotations
 
@@ -43,12 +44,7 @@ from tinyvllm.sampling_params import MAX_LOGPROBS
 
 
 def refuse_unsupported(body: ChatCompletionRequest) -> None:
-    """400 for what the server would not honour: structured output, tools, functions."""
-    kind = (body.response_format or {"type": "text"}).get("type")
-    if kind != "text":
-        raise APIError(400, f"response_format of type {kind!r} is not supported: this server has no structured "
-                            "output (JSON mode, JSON schema) yet and would answer with free text; remove "
-                            "response_format, or send {\"type\": \"text\"}", "response_format")
+    """400 for what the server would not honour: tools, functions."""
     for name, choice_name, what in (("tools", "tool_choice", "tool calling"),
                                     ("functions", "function_call", "function calling")):
         if getattr(body, name):
@@ -95,7 +91,7 @@ class OpenAIServingChat(OpenAIServing):
         else:
             ids = self.request_templates.render(messages, body.add_generation_prompt, body.chat_template)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        processed = self.process(ids, self.sampling_params(body, requested, top_logprobs, body.prompt_logprobs))
+        processed = self.process(ids, self.sampling_params(body, requested, top_logprobs, body.prompt_logprobs), body)
         request_id = random_id("chatcmpl")
         return Prepared(body, request_id, [(request_id, processed)], len(ids), top_logprobs)
 
