@@ -8,6 +8,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import functools
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,11 +128,11 @@ class InputProcessor:
         return ids.tolist()
 
     def apply_chat_template(self, conversation: list[Message], add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> list[int]:
+                            chat_template: str | None = None, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """A conversation ({"role", "content"} messages; content a string or a list of text parts) as the
-        token ids of the model's chat template (or of `chat_template`)."""
+        token ids of the model's chat template (or of `chat_template`), which also receives the tools."""
         return apply_chat_template(self.need_tokenizer("a chat conversation"), conversation, add_generation_prompt,
-                                   chat_template)
+                                   chat_template, tools)
 
     # ---- whole requests ---------------------------------------------------------------------------
     def process(self, prompt: PromptType, params: SamplingParams, decode_prompt: bool = True) -> ProcessedInput:
@@ -188,7 +189,7 @@ class InputProcessor:
 
 
 def apply_chat_template(tokenizer: Any, conversation: list[Message], add_generation_prompt: bool = True,
-                        chat_template: str | None = None) -> list[int]:
+                        chat_template: str | None = None, tools: list[dict[str, Any]] | None = None) -> list[int]:
     """InputProcessor.apply_chat_template's work, for a tokenizer (also run apart, in a process of its own, by the
     server for a request's own template: entrypoints/openai/chat_template.py)."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -207,12 +208,25 @@ def apply_chat_template(tokenizer: Any, conversation: list[Message], add_generat
                     raise InputError("only text content parts are supported", "messages")
                 parts.append(part["text"])
             content = "\n".join(parts)
-        messages.append({**message, "content": content or ""})
+        message = {**message, "content": content or ""}
+        if message.get("tool_calls"):  # (templates read a call's arguments as a mapping: OpenAI sends JSON text)
+            message["tool_calls"] = [_with_parsed_arguments(call) for call in message["tool_calls"]]
+        messages.append(message)
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                            tokenize=True, chat_template=chat_template)
+                                            tokenize=True, chat_template=chat_template, tools=tools)
     except MemoryError:
         raise
     except Exception as e:  # jinja2 errors: a template, or messages the template refuses
         raise InputError(f"cannot apply the chat template: {e or type(e).__name__}", "messages") from e
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _with_parsed_arguments(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            return {**call, "function": {**function, "arguments": json.loads(function["arguments"])}}
+        except ValueError:
+            pass
+    return call

@@ -26,7 +26,8 @@ _START_TIMEOUT_S = 120.0
 
 
 def _render_loop(conn: Connection, tokenizer_bytes: bytes) -> None:
-    """The renderer's process: (messages, add_generation_prompt, template) in, token ids or an error message out."""
+    """The renderer's process: (messages, add_generation_prompt, template, tools) in, token ids or an error message
+    out."""
     import resource
 
     from tinyvllm.engine.input_processor import apply_chat_template
@@ -40,11 +41,11 @@ def _render_loop(conn: Connection, tokenizer_bytes: bytes) -> None:
     conn.send(("ready",))
     while True:
         try:
-            messages, add_generation_prompt, template = conn.recv()
+            messages, add_generation_prompt, template, tools = conn.recv()
         except EOFError:
             return
         try:
-            conn.send(("ids", apply_chat_template(tokenizer, messages, add_generation_prompt, template)))
+            conn.send(("ids", apply_chat_template(tokenizer, messages, add_generation_prompt, template, tools)))
         except InputError as e:
             conn.send(("error", str(e)))
         except MemoryError:
@@ -92,12 +93,13 @@ class RequestTemplateRenderer:
             self._ready = True
         return self._conn
 
-    def render(self, messages: list[Message], add_generation_prompt: bool, template: str) -> list[int]:
+    def render(self, messages: list[Message], add_generation_prompt: bool, template: str,
+               tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The conversation's token ids under `template`; InputError if it fails, or takes too long or too much."""
         with self._lock:
             conn = self._connection()
             try:
-                conn.send((messages, add_generation_prompt, template))
+                conn.send((messages, add_generation_prompt, template, tools))
                 if conn.poll(RENDER_TIMEOUT_S):
                     kind, value = conn.recv()
                     if kind == "ids":

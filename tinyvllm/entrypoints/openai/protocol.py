@@ -160,10 +160,35 @@ class CompletionResponse(ResponseFields):
 
 
 # ---- /v1/chat/completions ---------------------------------------------------------------------------
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # (JSON text)
+
+
+class ToolCall(OpenAIModel):
+    id: str = Field(default_factory=lambda: random_id("call"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictRequest):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # (an assistant's earlier calls)
+    tool_call_id: str | None = None  # (a tool's answer to one)
+
+
+class FunctionDefinition(StrictRequest):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # (a JSON schema)
+    strict: bool | None = None
+
+
+class ChatTool(StrictRequest):
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -175,9 +200,9 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's chat extras
     add_generation_prompt: bool = True
     chat_template: str | None = None
-    # Refused unless they ask for nothing (no tool calling yet): see serving_chat
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # "none", "auto", "required" or {"type": "function", ...}
+    # OpenAI's older function calling: refused unless they ask for nothing (see serving_chat)
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     # Metadata and hints that change nothing in the answer: accepted, unused
@@ -206,6 +231,7 @@ class ChatChoiceLogprobs(OpenAIModel):
 class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(OpenAIModel):
@@ -222,9 +248,24 @@ class ChatCompletionResponse(ResponseFields):
     prompt_logprobs: PromptLogprobs | None = None
 
 
+class DeltaFunctionCall(OpenAIModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIModel):
+    """A streamed tool call's piece: the first names it (id, name), the others add to its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(OpenAIModel):

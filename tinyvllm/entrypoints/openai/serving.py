@@ -197,10 +197,18 @@ class OpenAIServing:
 
     @staticmethod
     def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        tool_constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+        """The request's SamplingParams; tool_constraint: what a named or required tool_choice holds the answer to
+        (it and the request's own constraint cannot both hold)."""
         if body.logit_bias:
             raise APIError(400, "logit_bias is not supported by this server: remove it", "logit_bias")
         structured_outputs = structured_outputs_of(body)
+        if tool_constraint is not None:
+            if structured_outputs is not None:
+                raise APIError(400, "a named or \"required\" tool_choice holds the answer to a tool call, and so "
+                                    "would response_format (or structured_outputs): send one of them", "tool_choice")
+            structured_outputs = tool_constraint
         try:
             return SamplingParams(
                 n=body.n,

@@ -1,7 +1,6 @@
 """POST /v1/chat/completions: the conversation through the model's chat template, n completions, answered
 whole or streamed as server-sent events; `response_format` (and vLLM's structured_outputs) constrains the answer
-(serving.structured_outputs_of). No tool calling yet: a request that asks for it is refused, rather than answered
-with free text."""
+(serving.structured_outputs_of), and `tools` with `tool_choice` give tool calls (tool_calls.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +21,9 @@ from tinyvllm.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatResponseMessage,
     ChatStreamChoice,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     TokenLogprob,
     TopLogprob,
     UsageInfo,
@@ -39,21 +40,19 @@ from tinyvllm.entrypoints.openai.serving import (
     token_text,
     usage_info,
 )
+from tinyvllm.entrypoints.openai.tool_calls import ToolMode, calls_of, template_tools, tool_constraint, tool_mode
 from tinyvllm.outputs import Logprob
 from tinyvllm.sampling_params import MAX_LOGPROBS
 
 
 def refuse_unsupported(body: ChatCompletionRequest) -> None:
-    """400 for what the server would not honour: tools, functions."""
-    for name, choice_name, what in (("tools", "tool_choice", "tool calling"),
-                                    ("functions", "function_call", "function calling")):
-        if getattr(body, name):
-            raise APIError(400, f"{name} are not supported: this server has no {what} yet; remove {name} and "
-                                f"{choice_name}", name)
-        choice = getattr(body, choice_name)
-        if choice not in (None, "none", "auto"):
-            raise APIError(400, f"{choice_name} {choice!r} is not supported: this server has no {what} yet; "
-                                f"remove {choice_name}", choice_name)
+    """400 for what the server would not honour: OpenAI's older function calling (tools replace it)."""
+    if body.functions:
+        raise APIError(400, "functions are not supported: send them as tools (with tool_choice); remove functions "
+                            "and function_call", "functions")
+    if body.function_call not in (None, "none", "auto"):
+        raise APIError(400, f"function_call {body.function_call!r} is not supported: use tool_choice; remove "
+                            "function_call", "function_call")
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -80,30 +79,34 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
         if body.stream and body.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not available with stream: remove one", "prompt_logprobs")
+        mode = tool_mode(body)
+        tools = template_tools(body, mode)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         self.inputs.check_text_length(messages, "messages")
         if body.chat_template is None:
-            ids = self.inputs.apply_chat_template(messages, body.add_generation_prompt)
+            ids = self.inputs.apply_chat_template(messages, body.add_generation_prompt, None, tools)
         elif self.request_templates is None:
             raise APIError(400, "chat_template is refused: this server renders only the model's own chat template "
                                 "(start it with --trust-request-chat-template to allow a request's own); remove it",
                            "chat_template")
         else:
-            ids = self.request_templates.render(messages, body.add_generation_prompt, body.chat_template)
+            ids = self.request_templates.render(messages, body.add_generation_prompt, body.chat_template, tools)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        processed = self.process(ids, self.sampling_params(body, requested, top_logprobs, body.prompt_logprobs), body)
+        params = self.sampling_params(body, requested, top_logprobs, body.prompt_logprobs, tool_constraint(body, mode))
+        processed = self.process(ids, params, body)
         request_id = random_id("chatcmpl")
         return Prepared(body, request_id, [(request_id, processed)], len(ids), top_logprobs)
 
     async def create_chat_completion(self, prepared: Prepared, raw_request: Request) -> Response:
         body: ChatCompletionRequest = prepared.body
         request_id, top_logprobs = prepared.request_id, prepared.logprobs
+        mode = tool_mode(body)
         stream, tracker = await self.add(prepared, body.n)
         if body.stream:
             options = body.stream_options
             return EventStream(self._stream_chat(stream, request_id, body.n, prepared.prompt_tokens, tracker,
                                                  top_logprobs, bool(options and options.include_usage),
-                                                 bool(options and options.continuous_usage_stats)),
+                                                 bool(options and options.continuous_usage_stats), mode),
                                stream, tracker)
         choices = {(request_id, k): Choice() for k in range(body.n)}
         cached = await self.collect(stream, raw_request, tracker, choices)
@@ -112,8 +115,10 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if top_logprobs is not None:
                 logprobs = ChatChoiceLogprobs(content=chat_logprobs(choice.token_ids, choice.logprobs, top_logprobs))
-            result.append(ChatCompletionChoice(index=index, message=ChatResponseMessage(content="".join(choice.text)),
-                                               logprobs=logprobs, finish_reason=choice.finish_reason,
+            content, calls = calls_of(mode, "".join(choice.text))
+            message = ChatResponseMessage(content=content, tool_calls=calls or None)
+            result.append(ChatCompletionChoice(index=index, message=message, logprobs=logprobs,
+                                               finish_reason=_finish(mode, calls, choice.finish_reason),
                                                stop_reason=choice.stop_reason))
         usage = usage_info(prepared.prompt_tokens, sum(len(c.token_ids) for c in choices.values()),
                            sum(cached.values()))
@@ -126,9 +131,15 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream_chat(self, stream: RequestStream, request_id: str, n: int, prompt_tokens: int,
                            tracker: RequestTracker, top_logprobs: int | None, include_usage: bool,
-                           continuous_usage: bool) -> AsyncIterator[str]:
+                           continuous_usage: bool, mode: ToolMode) -> AsyncIterator[str]:
+        """The chunks: each completion's text deltas as they come. A named tool call streams as OpenAI's do: its
+        name first, then its arguments as they come; calls that must be read from the whole answer ("required",
+        "auto") come with its last chunk, whole, or its text if it holds none."""
         completion_tokens = 0
         cached = 0
+        whole = mode.kind in ("required", "auto")  # (the answer is read at its end)
+        held: dict[int, Choice] = {index: Choice() for index in range(n)} if whole else {}
+        call_ids: dict[int, str] = {}
 
         created = int(time.time())  # (one for every chunk of the stream, as OpenAI's)
 
@@ -144,19 +155,46 @@ class OpenAIServingChat(OpenAIServing):
             cached = output.num_cached_tokens
             for completion in output.outputs:
                 completion_tokens += len(completion.token_ids)
-                if not completion.text and completion.finish_reason is None and top_logprobs is None:
-                    continue
+                index, finish = completion.index, completion.finish_reason
+                if whole:
+                    kept = held[index]
+                    kept.text.append(completion.text)
+                    kept.token_ids += completion.token_ids
+                    kept.logprobs += completion.logprobs or []
+                    if finish is None:
+                        continue
+                    content, calls = calls_of(mode, "".join(kept.text))
+                    delta = DeltaMessage(content=content, tool_calls=[
+                        DeltaToolCall(index=i, id=call.id, type="function", function=DeltaFunctionCall(
+                            name=call.function.name, arguments=call.function.arguments))
+                        for i, call in enumerate(calls)] or None)
+                    token_ids, token_logprobs, finish = kept.token_ids, kept.logprobs, _finish(mode, calls, finish)
+                else:
+                    first_call = mode.kind == "named" and index not in call_ids  # (it names the call)
+                    if not completion.text and finish is None and top_logprobs is None and not first_call:
+                        continue
+                    delta = DeltaMessage(content=completion.text)
+                    if mode.kind == "named":
+                        call_id = call_ids.setdefault(index, random_id("call"))
+                        delta = DeltaMessage(tool_calls=[DeltaToolCall(
+                            index=0, id=call_id if first_call else None, type="function" if first_call else None,
+                            function=DeltaFunctionCall(name=mode.name if first_call else None,
+                                                       arguments=completion.text))])
+                    token_ids, token_logprobs = completion.token_ids, completion.logprobs or []
                 logprobs = None
                 if top_logprobs is not None:
-                    logprobs = ChatChoiceLogprobs(content=chat_logprobs(
-                        completion.token_ids, completion.logprobs or [], top_logprobs))
-                choice = ChatStreamChoice(index=completion.index, delta=DeltaMessage(content=completion.text),
-                                          logprobs=logprobs, finish_reason=completion.finish_reason,
+                    logprobs = ChatChoiceLogprobs(content=chat_logprobs(token_ids, token_logprobs, top_logprobs))
+                choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish,
                                           stop_reason=completion.stop_reason)
                 usage = usage_info(prompt_tokens, completion_tokens, cached) if continuous_usage else None
                 yield chunk([choice], usage)
         if include_usage:
             yield chunk([], usage_info(prompt_tokens, completion_tokens, cached))
+
+
+def _finish(mode: ToolMode, calls: list, finish_reason: str | None) -> str | None:
+    """OpenAI's finish reason: "tool_calls" where the model chose to call (a named call it was made to is "stop")."""
+    return "tool_calls" if calls and mode.kind != "named" and finish_reason == "stop" else finish_reason
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int) -> list[TokenLogprob]:

@@ -1,0 +1,110 @@
+"""structured-output (docs/benchmarks.md): what constraining half of a batch's requests costs.
+
+--num-prompts requests at temperature 0.8, run twice: all unconstrained, then half of them (every other one) held
+to a JSON schema (nested object, enum, array) through xgrammar. Measured: output tokens per second of the whole
+batch in each run (best of --repeat alternated rounds), and the time the engine core's host spends filling one
+step's token bitmask for --mask-rows sequences (StructuredOutputManager.bitmask: xgrammar's matchers, one row each,
+mid-way through that JSON schema), the work a constrained step adds before it can sample. The peer is the same
+engine unconstrained, in the same run.
+
+    python benchmarks/structured_output.py --small    (CPU: the embedded SmolLM2-135M, float32, 32 requests)
+
+On a GPU the engine needs a tokenizer whose vocabulary xgrammar reads; the random-weight Llama-3.2-1B has none, so
+this script runs on the embedded model (its own tokenizer) there too."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from common import commit, gpu_name
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"]},
+    },
+    "required": ["name", "age", "role", "tags", "address"],
+}
+PROMPT = "Describe a user of a web service as a JSON object."
+
+
+def mask_fill_ms(llm, rows: int) -> float:
+    """One step's bitmask for `rows` sequences whose matchers are a few tokens into SCHEMA (median of 20)."""
+    from tinyvllm import StructuredOutputsParams
+
+    manager = llm.llm_engine.engine_core.structured_output
+    grammars = [manager.grammar(StructuredOutputsParams(json=SCHEMA)) for _ in range(rows)]
+    while not all(g.ready() for g in grammars):
+        time.sleep(0.01)
+    tokenizer = llm.get_tokenizer()
+    for g in grammars:
+        for token in tokenizer.encode('{"name": "Ada", "age": 3', add_special_tokens=False):
+            g.accept(token)
+    timings = []
+    for _ in range(20):
+        start = time.perf_counter()
+        manager.bitmask(list(range(rows)), grammars)
+        timings.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(timings)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="on the CPU (the default where torch sees no GPU)")
+    parser.add_argument("--num-prompts", type=int, default=None, help="default 256 on a GPU, 32 on the CPU")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--mask-rows", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    import torch
+
+    from tinyvllm import LLM, SamplingParams, StructuredOutputsParams
+
+    cpu = args.small or not torch.cuda.is_available()
+    num_prompts = args.num_prompts or (32 if cpu else 256)
+    llm = LLM(max_num_seqs=num_prompts, enable_prefix_caching=False, **({"device": "cpu"} if cpu else {}))
+    constraint = StructuredOutputsParams(json=SCHEMA)
+    runs = {
+        "none": [SamplingParams(temperature=0.8, seed=i, max_tokens=args.max_tokens) for i in range(num_prompts)],
+        "half": [SamplingParams(temperature=0.8, seed=i, max_tokens=args.max_tokens,
+                                structured_outputs=constraint if i % 2 else None) for i in range(num_prompts)],
+    }
+    llm.generate([PROMPT] * 4, runs["half"][:4], use_tqdm=False)  # warm-up (and the grammar compiled)
+    best: dict[str, float] = {}
+    for _ in range(args.repeat):
+        for name, params in runs.items():
+            start = time.perf_counter()
+            outputs = llm.generate([PROMPT] * num_prompts, params, use_tqdm=False)
+            tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+            best[name] = max(best.get(name, 0.0), tokens / (time.perf_counter() - start))
+            if name == "half":
+                valid = sum(1 for o in outputs[1::2] if o.outputs[0].finish_reason == "stop"
+                            and isinstance(json.loads(o.outputs[0].text), dict))
+    fill = mask_fill_ms(llm, args.mask_rows)
+
+    device = "CPU (embedded SmolLM2-135M, float32)" if cpu else f"{gpu_name()} (embedded SmolLM2-135M)"
+    print(f"structured-output: {num_prompts} requests, temperature 0.8, up to {args.max_tokens} tokens; {device}; "
+          f"commit {commit()}")
+    print(f"  unconstrained:            {best['none']:>10,.0f} output tok/s")
+    print(f"  half under a JSON schema: {best['half']:>10,.0f} output tok/s ({best['half'] / best['none']:.2f}x; "
+          f"{valid} of {num_prompts // 2} constrained outputs complete JSON objects)")
+    print(f"  one step's bitmask for {args.mask_rows} rows (xgrammar's matchers, on the host): {fill:.2f} ms")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "commit": commit(), "tok_s": best, "mask_fill_ms": fill,
+                       "mask_rows": args.mask_rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
