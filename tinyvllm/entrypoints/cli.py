@@ -228,6 +228,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log every HTTP request: client, method, path, status, duration in ms (at level info)")
+    g.add_argument("--ui", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve a chat page at / (open without the API key: it asks for the key and sends it with "
+                        "its API calls); --no-ui: no page, / is a 404")
     g.add_argument("--max-request-body-mb", type=float, default=16.0,
                    help="refuse a request body larger than this many MB (2**20 bytes) with 413")
     g.add_argument("--shutdown-timeout", type=float, default=5.0,

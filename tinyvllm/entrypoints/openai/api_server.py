@@ -2,6 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions  (stream: server-sent events ending in `data: [DONE]`)
     GET  /v1/models, /health, /metrics, /version, /tokenizer_info;  POST /tokenize, /detokenize  (as vLLM's)
+    GET  /  a chat page (static/: plain HTML, JS and CSS, no build step), unless --no-ui
 
 A request is validated (pydantic, then SamplingParams, then the engine's own checks) before anything
 is streamed, so a bad one gets a 400 and leaves the others alone. Its body is capped (413 beyond
@@ -28,6 +29,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import uvicorn
@@ -64,17 +66,29 @@ INLINE_BODY_BYTES = 4096
 # Paths anyone may read even when the server has an API key (as vLLM: probes and scrapers hold no key).
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
 
+# The chat page's files: path -> (file in static/, media type). Open too: the page asks for the key itself, and
+# sends it with the API calls it makes.
+STATIC_DIR = Path(__file__).parent / "static"
+UI_FILES = {"/": ("index.html", "text/html; charset=utf-8"),
+            "/static/chat.js": ("chat.js", "text/javascript; charset=utf-8"),
+            "/static/chat.css": ("chat.css", "text/css; charset=utf-8")}
+# The page loads nothing but its own files and talks to nothing but this server: a script slipped into it (which
+# its renderer must never let through anyway) could not run inline, nor load or send anything elsewhere.
+UI_HEADERS = {"Content-Security-Policy": "default-src 'self'; base-uri 'none'; frame-ancestors 'none'",
+              "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
+
 
 class _ApiKeyMiddleware:
     """401 unless `Authorization: Bearer <key>` (compared in constant time); before anything else runs,
     so that an unauthenticated client learns nothing about its request."""
 
-    def __init__(self, app: Any, api_key: str) -> None:
+    def __init__(self, app: Any, api_key: str, open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
@@ -232,8 +246,9 @@ def parse_body(raw: bytes, model: type[BodyT]) -> BodyT:
 
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None, *, max_body_mb: float,
-              access_log: bool = True, trust_request_chat_template: bool = False) -> FastAPI:
-    """The FastAPI app. Its lifespan starts reading the engine core's outputs and stops the engine on shutdown."""
+              access_log: bool = True, trust_request_chat_template: bool = False, ui: bool = True) -> FastAPI:
+    """The FastAPI app (with the chat page at / if `ui`). Its lifespan starts reading the engine core's outputs and
+    stops the engine on shutdown."""
     metrics = ServerMetrics(engine, served_model_name)
     server = OpenAIServing(engine, served_model_name, metrics)  # /v1/models, /tokenize, /detokenize
     completion = OpenAIServingCompletion(engine, served_model_name, metrics)
@@ -286,7 +301,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     # (the last added runs first: the access log sees every request, the API key is checked before the body)
     app.add_middleware(_BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
-        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+        open_paths = OPEN_PATHS | frozenset(UI_FILES) if ui else OPEN_PATHS
+        app.add_middleware(_ApiKeyMiddleware, api_key=api_key, open_paths=open_paths)
     if access_log:
         app.add_middleware(_AccessLogMiddleware)
 
@@ -371,7 +387,19 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     for path, endpoint in (("/v1/completions", completions), ("/v1/chat/completions", chat_completions),
                            ("/tokenize", tokenize), ("/detokenize", detokenize)):
         app.add_route(path, endpoint, methods=["POST"])
+    if ui:
+        for path, (name, media_type) in UI_FILES.items():
+            app.add_route(path, _static_file((STATIC_DIR / name).read_bytes(), media_type), methods=["GET"])
     return app
+
+
+def _static_file(body: bytes, media_type: str) -> Callable[[Request], Any]:
+    """A route that answers with `body` (the chat page's files are small: read once, when the app is built)."""
+
+    async def endpoint(request: Request) -> Response:
+        return Response(body, media_type=media_type, headers=UI_HEADERS)
+
+    return endpoint
 
 
 class _Server(uvicorn.Server):
@@ -433,7 +461,7 @@ def run_server(args: argparse.Namespace, config: EngineConfig, core_connection: 
     engine = AsyncLLMEngine.from_config(config, core_connection=core_connection)
     name = args.served_model_name or default_model_name(args.model)
     app = build_app(engine, name, api_key, max_body_mb=args.max_request_body_mb, access_log=args.access_log,
-                    trust_request_chat_template=args.trust_request_chat_template)
+                    trust_request_chat_template=args.trust_request_chat_template, ui=args.ui)
     # (uvicorn's own access log stays off: the app's logs the same requests, with their duration)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             access_log=False, timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")
