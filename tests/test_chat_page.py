@@ -22,7 +22,8 @@ from tests.test_server import API_KEY, ROOT, Server, _wait_healthy, finished_cou
 pytestmark = pytest.mark.slow
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's `chromium` package (Playwright drives it; no `playwright install`)
-SCREENSHOT = Path(ROOT) / "docs" / "chat-page.png"  # (shown in the README)
+# The screenshot each run keeps (a git-ignored folder: docs/chat-page.png, shown in the README, is a copy of one)
+SCREENSHOT = Path(ROOT) / "test-artifacts" / "chat-page.png"
 
 
 @pytest.fixture(scope="module")
