@@ -24,6 +24,9 @@ class ConfigError(ValueError):
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "LlamaForCausalLM",
     "llama": "LlamaForCausalLM",
+    "MistralForCausalLM": "MistralForCausalLM",
+    "Qwen2ForCausalLM": "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "Qwen3ForCausalLM",
 }
 
 
@@ -42,7 +45,8 @@ def check_architecture(name: str) -> str:
 
 @dataclass
 class ModelConfig:
-    """The architecture of a Llama-family model, read from config.json or from GGUF metadata."""
+    """A model's architecture, read from config.json or from GGUF metadata: what every family has (a family reads
+    the rest from hf_config)."""
 
     architecture: str
     vocab_size: int

@@ -34,13 +34,16 @@ from tinyvllm.ops import AttentionMetadata
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel, qkv_bias: bool | None = None,
+                 o_bias: bool | None = None) -> None:
+        """qkv_bias, o_bias: whether the products have biases (default: config.attention_bias, as Llama's)."""
         super().__init__()
         head_dim = config.head_dim
+        qkv_bias = config.attention_bias if qkv_bias is None else qkv_bias
+        o_bias = config.attention_bias if o_bias is None else o_bias
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_heads, config.num_kv_heads,
-                                          config.attention_bias, tp)
-        self.o_proj = RowParallelLinear(config.num_heads * head_dim, config.hidden_size, config.attention_bias, tp,
-                                        "o")
+                                          qkv_bias, tp)
+        self.o_proj = RowParallelLinear(config.num_heads * head_dim, config.hidden_size, o_bias, tp, "o")
         # This rank's heads: num_heads / tp.size query heads and the num_kv_heads / tp.size KV heads they share.
         self.attn = Attention(tp.split(config.num_heads), tp.split(config.num_kv_heads), head_dim, head_dim**-0.5)
 
@@ -66,7 +69,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, tp)
+        self.self_attn = self.attention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp)
 
@@ -78,6 +81,10 @@ class LlamaDecoderLayer(nn.Module):
         x = attn(qkv, meta)
         gated, residual = self.post_attention_layernorm.project(x, residual, self.mlp.gate_up_proj, silu_and_mul=True)
         return self.mlp.down_proj(gated), residual
+
+    def attention(self, config: ModelConfig, tp: TensorParallel) -> nn.Module:
+        """The layer's attention block (a family whose attention differs overrides this alone)."""
+        return LlamaAttention(config, tp)
 
     def fold_norms(self) -> None:
         """Fold each RMSNorm's weight into the product after it (RMSNorm.fold_into): the norm's output feeds only
@@ -106,10 +113,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel,
+                 decoder_layer: type[LlamaDecoderLayer] = LlamaDecoderLayer) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(decoder_layer(config, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norms_folded = False  # LlamaForCausalLM.fold_norms, once the weights are loaded
 
@@ -127,6 +135,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    decoder_layer: type[LlamaDecoderLayer] = LlamaDecoderLayer  # (a family of Llama's shape swaps its own in)
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -137,7 +146,7 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, config: ModelConfig, max_positions: int, tp: TensorParallel = TensorParallel()) -> None:
         super().__init__(config, max_positions, tp)
-        self.model = LlamaModel(config, tp)
+        self.model = LlamaModel(config, tp, self.decoder_layer)
         self.lm_head = None if config.tie_word_embeddings else ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
 

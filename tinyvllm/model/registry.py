@@ -6,8 +6,16 @@ from __future__ import annotations
 from tinyvllm.config import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError, check_architecture
 from tinyvllm.model.interface import CausalLM
 from tinyvllm.model.llama import LlamaForCausalLM
+from tinyvllm.model.mistral import MistralForCausalLM
+from tinyvllm.model.qwen2 import Qwen2ForCausalLM
+from tinyvllm.model.qwen3 import Qwen3ForCausalLM
 
-MODEL_CLASSES: dict[str, type[CausalLM]] = {"LlamaForCausalLM": LlamaForCausalLM}
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
 
 
 def register_model(architecture: str, model_class: type[CausalLM], aliases: tuple[str, ...] = ()) -> None:
