@@ -29,6 +29,7 @@ from tinyvllm.ops.cascade_attention import (  # noqa: E402
     cascade_suffix_ref,
     common_prefix_len,
     use_cascade_attention,
+    window_allows_cascade,
 )
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")
@@ -195,12 +196,13 @@ def test_cascade_idle_and_padding_rows() -> None:
 
 
 def _check_each_pass(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                     prefix_len: int, scale: float) -> None:
+                     prefix_len: int, scale: float, logit_softcap: float | None = None) -> None:
     """With one split each, slot 0 of the partial results is the prefix pass's and slot 1 the suffix pass's."""
     plan = cascade_plan(q, k_cache, meta, num_prefix_splits=1, num_splits=1)
-    partial_out, partial_lse = cascade_partials_triton(q, k_cache, v_cache, meta, scale, plan)
-    prefix_out, prefix_lse = cascade_prefix_ref(q, k_cache, v_cache, meta.block_tables[0], prefix_len, scale)
-    suffix_out, suffix_lse = cascade_suffix_ref(q, k_cache, v_cache, meta, prefix_len, scale)
+    partial_out, partial_lse = cascade_partials_triton(q, k_cache, v_cache, meta, scale, plan, logit_softcap)
+    prefix_out, prefix_lse = cascade_prefix_ref(q, k_cache, v_cache, meta.block_tables[0], prefix_len, scale,
+                                                logit_softcap)
+    suffix_out, suffix_lse = cascade_suffix_ref(q, k_cache, v_cache, meta, prefix_len, scale, logit_softcap)
     _close(partial_out[:, :, 0], prefix_out)
     _close(partial_lse[:, :, 0], prefix_lse)
     _close(partial_out[:, :, 1], suffix_out)
@@ -234,6 +236,56 @@ def test_cascade_with_fp8_cache(case: str, query_dtype: torch.dtype) -> None:
     _close(out, expected)
     _close(cascade_attention_ref(q, k_cache, v_cache, meta, scale), expected)
     _check_each_pass(q, k_cache, v_cache, meta, prefix_len, scale)
+
+
+# ------------------------------------------------------------------------ logit soft-capping and sliding windows
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cascade_with_logit_softcap(case: str) -> None:
+    """Gemma 2's cap in both passes: the whole (three launches, or two where the suffix pass merges: one suffix
+    split) against paged_attention_ref with the cap, and each pass against its reference."""
+    prefix_len, suffixes, num_q_heads, num_kv_heads, prefix_splits, splits, config, prefix_config = CASES[case]
+    q, k_cache, v_cache, meta = shared_prefix_batch(prefix_len, suffixes, num_q_heads, num_kv_heads, idle=(1,),
+                                                    padding=1)
+    q = 3 * q  # (scores of a few units, which a cap of 2 bends)
+    scale = q.shape[-1] ** -0.5
+    expected = paged_attention_ref(q, k_cache, v_cache, _plain(meta), scale, logit_softcap=2.0)
+    assert (expected - paged_attention_ref(q, k_cache, v_cache, _plain(meta), scale)).abs().max() > 1e-2
+    _close(cascade_attention_ref(q, k_cache, v_cache, meta, scale, logit_softcap=2.0), expected)
+    for num_splits in (splits, 1):
+        plan = cascade_plan(q, k_cache, meta, prefix_splits, num_splits, config, prefix_config)
+        _close(cascade_attention_triton(q, k_cache, v_cache, meta, scale, plan, logit_softcap=2.0), expected)
+    if prefix_len:
+        q, k_cache, v_cache, meta = shared_prefix_batch(prefix_len, suffixes, num_q_heads, num_kv_heads)
+        _check_each_pass(3 * q, k_cache, v_cache, meta, prefix_len, scale, logit_softcap=2.0)
+
+
+def test_window_allows_cascade() -> None:
+    # the prefix pass shows every query the whole prefix: right only where no context outgrows the window
+    assert window_allows_cascade(4096, None)
+    assert window_allows_cascade(4096, 4096) and window_allows_cascade(100, 4096)
+    assert not window_allows_cascade(4097, 4096)
+
+
+def test_paged_attention_with_a_window_and_a_common_prefix() -> None:
+    """ops.paged_attention on a decode step with a common prefix (the CPU runs the references): with a window shorter
+    than the longest context it takes the plain path, which applies the window (the cascade path would show the
+    queries the whole prefix); with one that no context outgrows the result is the same either way. The cap reaches
+    both paths."""
+    import tinyvllm.ops as ops
+
+    q, k_cache, v_cache, meta = shared_prefix_batch(64, [1, 20, 40], 4, 2, idle=(1,), padding=1)
+    q = 3 * q
+    longest = meta.max_context_len
+    unwindowed = paged_attention_ref(q, k_cache, v_cache, _plain(meta), 0.2)
+    for window in (20, longest - 1, longest, 10 * longest):
+        for softcap in (None, 2.0):
+            out = ops.paged_attention(q, k_cache, v_cache, meta, 0.2, sliding_window=window, logit_softcap=softcap)
+            _close(out, paged_attention_ref(q, k_cache, v_cache, _plain(meta), 0.2, sliding_window=window,
+                                            logit_softcap=softcap))
+            if window < longest:  # (the longest sequence's first key hidden)
+                assert (out - unwindowed).abs().max() > 1e-4, (window, softcap)
 
 
 def test_use_cascade_attention_thresholds() -> None:

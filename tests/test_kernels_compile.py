@@ -53,11 +53,14 @@ _PARTIALS = {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "block_tabl
 _SAMPLING = {"value_ptr": "*fp32", "index_ptr": "*i32", "cutoff_ptr": "*fp32", "temperature_ptr": "*fp32",
              "min_p_ptr": "*fp32", "seeds_ptr": "*i64"}
 _ROPE = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_ptr": "*i64"}
-_DECODE = dict(GROUP=4, BLOCK_G=16, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=64, USE_PDL=True)
+# SLIDING_WINDOW and SOFTCAP off (0: Llama's layers) unless a case turns them on (Mistral's window, Gemma 2's cap)
+_OFF = dict(SLIDING_WINDOW=0, SOFTCAP=0.0)
+_WINDOW_SOFTCAP = dict(SLIDING_WINDOW=4096, SOFTCAP=50.0 * 1.4426950408889634)
+_DECODE = dict(GROUP=4, BLOCK_G=16, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=64, USE_PDL=True, **_OFF)
 # kv_cache_dtype="fp8": the caches in float8 e4m3 (Triton's fp8e4nv, which needs sm_89+), every other pointer as above
 _FP8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
-_PREFILL = dict(GROUP=4, BLOCK_M=128, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=64, USE_PDL=True)
-_CASCADE_PREFIX = dict(GROUP=4, BLOCK_M=64, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=64, USE_PDL=True)
+_PREFILL = dict(GROUP=4, BLOCK_M=128, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=64, USE_PDL=True, **_OFF)
+_CASCADE_PREFIX = dict(GROUP=4, BLOCK_M=64, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=64, USE_PDL=True, SOFTCAP=0.0)
 
 
 def _gemv(block_n: int, block_k: int, norm: bool, silu: bool, rope: bool) -> dict:
@@ -80,8 +83,20 @@ CASES = [
     *[("tinyvllm.ops.cascade_attention", "_cascade_prefix_kernel", _CASCADE_PREFIX, {**_PARTIALS, **caches}, 4)
       for caches in ({}, _FP8)],
     *[(_ATTENTION, "_combine_splits_kernel", dict(HEADS=heads, BLOCK_SPLITS=64, BLOCK_N=64, HEAD_DIM=64,
-                                                   CASCADE=cascade, USE_PDL=True), _PARTIALS, warps)
+                                                   CASCADE=cascade, SLIDING_WINDOW=0, USE_PDL=True), _PARTIALS, warps)
       for heads, warps in ((1, 1), (16, 4)) for cascade in (False, True)],
+    # A sliding window and logit soft-capping: decode in one split and several, its combine, prefill (both
+    # caches), cascade's prefix pass and merging suffix pass with the cap (cascade takes no window)
+    *[(_ATTENTION, "_paged_decode_kernel", {**_DECODE, **_WINDOW_SOFTCAP, "SINGLE_SPLIT": single, "SKIP_PREFIX": False,
+                                            "MERGE_PREFIX": False}, _PARTIALS, 4) for single in (True, False)],
+    (_ATTENTION, "_combine_splits_kernel", dict(HEADS=16, BLOCK_SPLITS=64, BLOCK_N=64, HEAD_DIM=64, CASCADE=False,
+                                                SLIDING_WINDOW=4096, USE_PDL=True), _PARTIALS, 4),
+    *[(_ATTENTION, "_paged_prefill_kernel", {**_PREFILL, **_WINDOW_SOFTCAP}, {**_PARTIALS, **caches}, 8)
+      for caches in ({}, _FP8)],
+    ("tinyvllm.ops.cascade_attention", "_cascade_prefix_kernel",
+     {**_CASCADE_PREFIX, "SOFTCAP": _WINDOW_SOFTCAP["SOFTCAP"]}, _PARTIALS, 4),
+    (_ATTENTION, "_paged_decode_kernel", {**_DECODE, "SOFTCAP": _WINDOW_SOFTCAP["SOFTCAP"], "SINGLE_SPLIT": False,
+                                          "SKIP_PREFIX": True, "MERGE_PREFIX": True}, _PARTIALS, 4),
     ("tinyvllm.ops.sampling", "_sample_chunk_kernel",
      dict(HAS_CUTOFF=True, DEFER_MIN_P=True, ROWS=1, BLOCK=2048, FAST_LOG=True, USE_PDL=True), _SAMPLING, 8),
     ("tinyvllm.ops.sampling", "_min_p_race_kernel",

@@ -115,3 +115,41 @@ def test_norms_fold_in_bfloat16_and_float32_only(checkpoint, dtype, folded):
     assert model.model.norms_folded == folded
     norm = model.model.layers[0].input_layernorm.weight
     assert bool((norm == 1).all()) == folded
+
+
+def test_a_sliding_window_matches_transformers_mistral(tmp_path) -> None:
+    """transformers' MistralForCausalLM with a window of 8 against our model over a 40-token prompt, its layers given
+    the window (layers.Attention's sliding_window, set here on the built model): the logits of the prefill and 16
+    greedy tokens (decode steps, each under the window). The window reaches an AttentionMetadata.attention hook as a
+    keyword."""
+    import transformers
+
+    from tests.utils import TINY, draw_norm_weights
+    from tinyvllm import ops
+
+    torch.manual_seed(5)
+    config = transformers.MistralConfig(**{**TINY, "tie_word_embeddings": False, "sliding_window": None})
+    model = transformers.MistralForCausalLM(config)
+    draw_norm_weights(model)
+    model.save_pretrained(str(tmp_path))  # (without a window in its config: the Mistral family refuses one yet)
+    hf = transformers.MistralForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32, sliding_window=8).eval()
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, device="cpu", num_kv_blocks=64)
+    layers = [layer.self_attn.attn for layer in llm.llm_engine.engine_core.model_runner.model.model.layers]
+    rng = random.Random(6)
+    prompt = [rng.randrange(256) for _ in range(40)]
+    with torch.inference_mode():
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    assert relative_error(our_logits(llm, prompt), ref) > 1e-2  # (the window matters here)
+    for layer in layers:
+        layer.sliding_window = 8
+    assert relative_error(our_logits(llm, prompt), ref) < 1e-4
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 16)
+    options = []
+
+    def attention(q, k_cache, v_cache, meta, scale, **kwargs):
+        options.append(kwargs)
+        return ops.paged_attention(q, k_cache, v_cache, meta, scale, **kwargs)
+
+    assert relative_error(our_logits(llm, prompt, attention), ref) < 1e-4
+    assert options == [{"sliding_window": 8}] * len(layers)

@@ -518,6 +518,158 @@ def test_paged_attention_ref_equals_each_sequence_alone(batch: str) -> None:
         torch.testing.assert_close(rows.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+# ------------------------------------------------------------------------ sliding window and logit soft-capping
+
+
+def _naive_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float, sliding_window: int | None = None,
+                     logit_softcap: float | None = None) -> torch.Tensor:
+    """Each sequence's attention in float64 from its whole score matrix, keys read position by position: the token
+    at position p sees key j iff j <= p and p - j < sliding_window (transformers' sliding_window_causal_mask_function),
+    its scores capped to cap * tanh(score / cap) before the softmax. A token without keys gets zeros."""
+    block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    cu = meta.cu_query_lens.tolist()
+    for i, context_len in enumerate(meta.context_lens.tolist()):
+        query_len = cu[i + 1] - cu[i]
+        if query_len == 0 or context_len == 0:
+            continue
+        slots = [(int(meta.block_tables[i, j // block_size]), j % block_size) for j in range(context_len)]
+        k = torch.stack([k_cache[b, o] for b, o in slots]).double().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = torch.stack([v_cache[b, o] for b, o in slots]).double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,lhd->hql", q[cu[i]:cu[i + 1]].double(), k) * scale
+        if logit_softcap is not None:
+            scores = logit_softcap * torch.tanh(scores / logit_softcap)
+        positions = torch.arange(context_len - query_len, context_len)[:, None]
+        keys = torch.arange(context_len)[None, :]
+        visible = keys <= positions
+        if sliding_window is not None:
+            visible &= positions - keys < sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[cu[i]:cu[i + 1]] = torch.einsum("hql,lhd->qhd", scores.softmax(-1), v)
+    return out
+
+
+# The optional features, alone and together. Against contexts of 5 to 70 tokens, a window of 1 (each token sees
+# itself alone), 7 (inside a block), 20 (shorter than most contexts, equal to one of _PREFILL_BATCHES' "chunked"),
+# 100 (longer than every context: no effect); a cap of 2 bends scores of the test's size (about +-1 .. 4).
+_FEATURES = {
+    "window1": dict(sliding_window=1),
+    "window7": dict(sliding_window=7),
+    "window20": dict(sliding_window=20),
+    "window100": dict(sliding_window=100),
+    "softcap": dict(logit_softcap=2.0),
+    "window7-softcap": dict(sliding_window=7, logit_softcap=2.0),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("features", list(_FEATURES))
+@pytest.mark.parametrize("batch", [*_REF_BATCHES, "decodes-first"])
+def test_paged_attention_ref_with_window_and_softcap_equals_naive(batch: str, features: str,
+                                                                  dtype: torch.dtype) -> None:
+    """The reference's batched paths (prefill, chunked prefill, decode, mixed steps, one sequence alone) against
+    each sequence's whole score matrix with the window's mask and the cap."""
+    query_lens, context_lens = _DECODES_FIRST if batch == "decodes-first" else _REF_BATCHES[batch]
+    q, k_cache, v_cache, meta = _paged_batch(query_lens, context_lens, 6, 2, 32, 16, dtype)
+    if batch == "decodes-first":
+        meta.num_decodes = 3
+    q = (3 * q.float()).to(dtype)  # (scores of a few units, so that the cap bends them)
+    out = paged_attention_ref(q, k_cache, v_cache, meta, 0.2, **_FEATURES[features])
+    expected = _naive_attention(q, k_cache, v_cache, meta, 0.2, **_FEATURES[features])
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_window_and_softcap_change_the_result() -> None:
+    """The features are not vacuous in these tests: a window shorter than the context and the cap each change the
+    output; a window longer than every context changes nothing."""
+    q, k_cache, v_cache, meta = _paged_batch(*_PREFILL_BATCHES["chunked"], 6, 2, 32, 16, torch.float32)
+    q = 3 * q
+    plain = paged_attention_ref(q, k_cache, v_cache, meta, 0.2)
+    for features in ("window7", "window20", "softcap"):
+        changed = paged_attention_ref(q, k_cache, v_cache, meta, 0.2, **_FEATURES[features])
+        assert (changed - plain).abs().max() > 1e-2, features
+    assert torch.equal(paged_attention_ref(q, k_cache, v_cache, meta, 0.2, sliding_window=100), plain)
+
+
+_FEATURE_SHAPES = [(6, 2, 64, 16, torch.float32), (4, 1, 64, 16, torch.float16)]
+
+
+@pytest.mark.parametrize("shape", _FEATURE_SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv-d{s[2]}-bs{s[3]}-{s[4]}")
+@pytest.mark.parametrize("features", list(_FEATURES))
+@pytest.mark.parametrize("batch", ["ragged", "chunked"])
+@pytest.mark.parametrize("config", [None, (16, 16, 4, 1)], ids=["default-tiles", "small-tiles"])
+def test_paged_prefill_with_window_and_softcap(shape: tuple, features: str, batch: str,
+                                               config: tuple[int, int, int, int] | None) -> None:
+    """The prefill kernel against the reference: windows that start inside a tile, at a tile's first key, before
+    the tile's first row (tiles that its window skips) and not at all."""
+    q, k_cache, v_cache, meta = _paged_batch(*_PREFILL_BATCHES[batch], *shape)
+    q = (3 * q.float()).to(shape[4])
+    expected = paged_attention_ref(q, k_cache, v_cache, meta, 0.125, **_FEATURES[features])
+    out = paged_prefill_triton(q, k_cache, v_cache, meta, 0.125, config=config, **_FEATURES[features])
+    _close(out, expected)
+
+
+def _poison_outside_windows(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                            sliding_window: int) -> None:
+    """NaN in every key and value that a decode token's window leaves out (a kernel that reads one fails)."""
+    block_size = k_cache.shape[1]
+    for i, context_len in enumerate(meta.context_lens.tolist()):
+        for j in range(max(context_len - sliding_window, 0)):
+            block = int(meta.block_tables[i, j // block_size])
+            k_cache[block, j % block_size] = float("nan")
+            v_cache[block, j % block_size] = float("nan")
+
+
+@pytest.mark.parametrize("shape", _FEATURE_SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv-d{s[2]}-bs{s[3]}-{s[4]}")
+@pytest.mark.parametrize("features", list(_FEATURES))
+@pytest.mark.parametrize("num_splits,config", [(None, None), (3, None), (4, (32, 4, 1))],
+                         ids=["default", "3-splits", "4-splits-block32"])
+def test_paged_decode_with_window_and_softcap(shape: tuple, features: str, num_splits: int | None,
+                                              config: tuple[int, int, int] | None) -> None:
+    """The decode kernel and its combine against the reference, on the contexts of test_paged_decode and one of
+    300 tokens (19 blocks). Every key outside a token's window is NaN: the splits must start at the window."""
+    query_lens, context_lens = [1, 1, 0, 1, 1, 1], [5, 2 * shape[3] + 3, 9, 70, 0, 300]
+    q, k_cache, v_cache, meta = _paged_batch(query_lens, context_lens, *shape)
+    q = (3 * q.float()).to(shape[4])
+    options = _FEATURES[features]
+    expected = paged_attention_ref(q, k_cache, v_cache, meta, 0.125, **options)
+    if "sliding_window" in options:
+        _poison_outside_windows(k_cache, v_cache, meta, options["sliding_window"])
+    if num_splits is None:
+        out = paged_attention_triton(q, k_cache, v_cache, meta, 0.125, **options)
+    else:
+        out = paged_decode_triton(q, k_cache, v_cache, meta, 0.125, num_splits=num_splits, config=config, **options)
+    _close(out, expected)
+
+
+@pytest.mark.parametrize("sliding_window", [1, 40, 64, 65, 1000])
+def test_long_decode_reads_only_its_window(sliding_window: int) -> None:
+    """A context of 2,000 tokens (125 blocks) under windows of one token, of less than, exactly and just over one
+    64-key tile, and longer than the context: the grid sized for the batch's longest context (a CUDA graph's) or
+    for the window, the keys outside the window NaN."""
+    q, k_cache, v_cache, meta = _paged_batch([1, 1], [2000, 50], 4, 2, 64, 16, torch.float32)
+    expected = paged_attention_ref(q, k_cache, v_cache, meta, 0.125, sliding_window=sliding_window)
+    _poison_outside_windows(k_cache, v_cache, meta, sliding_window)
+    _close(paged_attention_triton(q, k_cache, v_cache, meta, 0.125, sliding_window=sliding_window), expected)
+    meta.max_context_len = 8192
+    _close(paged_decode_triton(q, k_cache, v_cache, meta, 0.125, num_splits=64, sliding_window=sliding_window),
+           expected)
+
+
+@pytest.mark.parametrize("shape", _FEATURE_SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv-d{s[2]}-bs{s[3]}-{s[4]}")
+@pytest.mark.parametrize("features", list(_FEATURES))
+def test_mixed_step_with_window_and_softcap(shape: tuple, features: str) -> None:
+    """A mixed step whose decodes come first (meta.num_decodes: they go to the decode kernel, the others to the
+    prefill kernel), against the reference."""
+    q, k_cache, v_cache, meta = _paged_batch(*_DECODES_FIRST, *shape)
+    q = (3 * q.float()).to(shape[4])
+    expected = paged_attention_ref(q, k_cache, v_cache, meta, 0.125, **_FEATURES[features])
+    meta = dataclasses.replace(meta, num_decodes=3)
+    _close(paged_attention_triton(q, k_cache, v_cache, meta, 0.125, **_FEATURES[features]), expected)
+
+
 # kv_cache_dtype="fp8": the kernels read the float8 cache as the query's dtype (exact: every e4m3 value is one of
 # float16's, bfloat16's and float32's; a bfloat16 query is multiplied as float16, attention._query_for), the
 # reference as float32, so they agree as closely as with a cache of the query's dtype. Unowned slots stay NaN

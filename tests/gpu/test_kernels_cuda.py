@@ -567,6 +567,59 @@ def test_cascade_attention_in_cuda_graph() -> None:
     torch.cuda.synchronize()
     ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), without_prefix(meta), scale)
     assert_close("cascade attention in a CUDA graph, replayed on a shorter prefix bf16", out, ref, dtype)
+
+
+# Mistral's sliding window and Gemma 2's logit soft-capping, alone and together: a window of 1000 (shorter than
+# most contexts here, so that decode splits skip blocks and prefill tiles start past the first keys) and a cap of 5
+# (Gemma 2's is 50; 5 bends the scores of random inputs, which rarely pass 5).
+FEATURES = {"window 1000": dict(sliding_window=1000), "softcap 5": dict(logit_softcap=5.0),
+            "window 1000 + softcap 5": dict(sliding_window=1000, logit_softcap=5.0)}
+FEATURE_CASES = ["8 chunks <=512 on prefixes <=4096", "mixed 200 decodes first + idle + 4 chunks", "9q-3kv 3 chunks",
+                 "decode batch 8 contexts <=32768", "decode batch 1 context 8192",
+                 "decode batch 4 contexts <=3000 grid for 131072", "decode batch 256 contexts <=2048"]
+
+
+@pytest.mark.parametrize("features", list(FEATURES))
+@pytest.mark.parametrize("case", FEATURE_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_with_window_and_softcap(dtype: torch.dtype, case: str, features: str) -> None:
+    q, k_cache, v_cache, meta = case_batch(ATTENTION_CASES[case](), lambda query_lens, context_lens, **spec:
+                                           paged_batch(query_lens, context_lens, dtype, **spec))
+    scale = q.shape[-1] ** -0.5
+    out = poisoned(lambda: paged_attention_triton(q, k_cache, v_cache, meta, scale, **FEATURES[features]))
+    ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, scale, **FEATURES[features])
+    assert_close(f"attention {case}, {features}, {short(dtype)}", out, ref, dtype)
+
+
+def test_decode_attention_with_a_window_in_cuda_graph() -> None:
+    """Decode attention under a window of 1000 captured at max_context_len 8192 (its splits sized for the window),
+    replayed on new q and contexts of 1 to 8192: each reads its last 1000 keys."""
+    dtype, batch = torch.bfloat16, 32
+    q, k_cache, v_cache, meta = paged_batch([1] * batch, [8192] * batch, dtype)
+    scale = HEAD_DIM**-0.5
+    graph, out = captured(lambda: paged_attention_triton(q, k_cache, v_cache, meta, scale, sliding_window=1000))
+    meta.context_lens.copy_(torch.randint(1, 8193, (batch,), dtype=torch.int32, device=DEVICE))
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, scale, sliding_window=1000)
+    assert_close("attention decode under a window in a CUDA graph, replayed on new contexts bf16", out, ref, dtype)
+
+
+@pytest.mark.parametrize("case", ["B=8 prefix 1024 suffixes 1..192", "B=256 prefix 1024 suffixes 64..192",
+                                  "B=20 prefix 1024 + 12 padding rows, grid for 131072"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cascade_attention_with_softcap(dtype: torch.dtype, case: str) -> None:
+    """Cascade attention with Gemma 2's cap (in both passes) against the float32 reference with it."""
+    q, k_cache, v_cache, meta = case_batch(CASCADE_CASES[case](), lambda **spec: shared_prefix_batch(dtype=dtype,
+                                                                                                      **spec))
+    scale = q.shape[-1] ** -0.5
+    out = poisoned(lambda: cascade_attention_triton(q, k_cache, v_cache, meta, scale, logit_softcap=5.0))
+    ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), without_prefix(meta), scale,
+                              logit_softcap=5.0)
+    assert_close(f"cascade attention {case}, softcap 5, {short(dtype)}", out, ref, dtype)
+
+
 # ------------------------------------------------------------------------------------------ fused decode kernels
 
 FUSED_ROWS = [1, 2, 4, 8, 16, 32, 64]

@@ -260,11 +260,19 @@ class RotaryEmbedding(nn.Module):
 class Attention(nn.Module):
     """Paged attention over this layer's KV cache. The model runner finds these modules (CausalLM.attention_layers),
     sizes the KV cache from them and gives each its pools: k_cache and v_cache, [num_blocks, block_size,
-    num_kv_heads, head_dim] as the ops index them (ops.kv_pool), in the model's dtype or float8 e4m3."""
+    num_kv_heads, head_dim] as the ops index them (ops.kv_pool), in the model's dtype or float8 e4m3.
+    sliding_window: each token sees only the last sliding_window positions, itself included (Mistral, Gemma 2's
+    local layers); logit_softcap: the scores are capped to cap * tanh(score / cap) before the softmax (Gemma 2)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window}")
+        if logit_softcap is not None and not logit_softcap > 0:
+            raise ValueError(f"logit_softcap must be positive or None, got {logit_softcap}")
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.sliding_window, self.logit_softcap = sliding_window, logit_softcap
         self.q_size = num_heads * head_dim
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -274,8 +282,16 @@ class Attention(nn.Module):
         (rope_store stored them)."""
         num_tokens = qkv.shape[0]
         q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
-        out = (meta.attention or ops.paged_attention)(q, self.k_cache, self.v_cache, meta, self.scale)
+        out = (meta.attention or ops.paged_attention)(q, self.k_cache, self.v_cache, meta, self.scale,
+                                                      **self.attention_options)
         return out.reshape(num_tokens, self.q_size)
+
+    @property
+    def attention_options(self) -> dict[str, Any]:
+        """The keywords of ops.paged_attention this layer sets: only those, so that an `attention` hook of the plain
+        signature (q, k_cache, v_cache, meta, scale) still serves the layers that set none."""
+        options = {"sliding_window": self.sliding_window, "logit_softcap": self.logit_softcap}
+        return {name: value for name, value in options.items() if value is not None}
 
     def rope_store(self, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata) -> ops.RopeStore:
         """What follows the qkv product: q and k rotated at `positions`, k and v stored at the step's cache slots."""

@@ -16,7 +16,7 @@ import torch
 from tinyvllm.ops.activation import silu_and_mul_ref
 from tinyvllm.ops.attention import AttentionMetadata, paged_attention_ref
 from tinyvllm.ops.bitmask import apply_token_bitmask_ref
-from tinyvllm.ops.cascade_attention import cascade_attention_ref
+from tinyvllm.ops.cascade_attention import cascade_attention_ref, window_allows_cascade
 from tinyvllm.ops.decode_inputs import unpack_decode_inputs_ref
 from tinyvllm.ops.embedding import embedding_ref
 from tinyvllm.ops.fused_linear import fused_linear_ref, fused_norm_linear_ref, linear_argmax_ref
@@ -133,13 +133,17 @@ _cascade_attention = _dispatch("cascade_attention", cascade_attention_ref)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention over the paged cache (paged_attention_ref's contract), into `out` if given; a decode step whose
-    sequences share a prefix of blocks (meta.common_prefix_len) goes through cascade attention, which reads that
-    prefix once."""
-    if meta.common_prefix_len is not None and meta.is_decode:
-        return _cascade_attention(q, k_cache, v_cache, meta, scale, out=out)
-    return _plain_attention(q, k_cache, v_cache, meta, scale, out=out)
+                    scale: float, out: torch.Tensor | None = None, *, sliding_window: int | None = None,
+                    logit_softcap: float | None = None) -> torch.Tensor:
+    """Attention over the paged cache (paged_attention_ref's contract, its sliding_window and logit_softcap
+    included), into `out` if given; a decode step whose sequences share a prefix of blocks (meta.common_prefix_len)
+    goes through cascade attention, which reads that prefix once, unless a sliding window could hide part of it
+    from some query (window_allows_cascade): then through the plain kernels."""
+    if meta.common_prefix_len is not None and meta.is_decode and window_allows_cascade(meta.max_context_len,
+                                                                                       sliding_window):
+        return _cascade_attention(q, k_cache, v_cache, meta, scale, out=out, logit_softcap=logit_softcap)
+    return _plain_attention(q, k_cache, v_cache, meta, scale, out=out, sliding_window=sliding_window,
+                            logit_softcap=logit_softcap)
 
 
 def kv_pool(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

@@ -75,13 +75,21 @@ class AttentionMetadata:
                    torch.zeros(int(cu[-1]), dtype=torch.int64, device=device), max(query_lens), max(context_lens))
 
 
+def cap_logits(scores: torch.Tensor, logit_softcap: float | None) -> torch.Tensor:
+    """Gemma 2's attention logit soft-capping of scores (after the scale): cap * tanh(scores / cap); None: as they
+    are."""
+    return scores if logit_softcap is None else logit_softcap * torch.tanh(scores / logit_softcap)
+
+
 def paged_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, *, sliding_window: int | None = None, logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] -> out [T, Hq, D]: each new token attends causally to every earlier token of its
     sequence in the cache (its own K/V included, already stored), grouped-query heads sharing KV. `out`: where
-    to write it (a new tensor if None).
+    to write it (a new tensor if None). sliding_window: a token at position p sees only keys p - sliding_window + 1
+    .. p (Mistral's, Gemma 2's local layers); logit_softcap: scores become cap * tanh(score / cap) before the
+    softmax (Gemma 2).
 
     Sequences go through torch's scaled_dot_product_attention in batches, their queries padded to the longest (the
     CPU engine's path: there each small op costs more than the arithmetic): a decode step in one call; a mixed step's
@@ -89,7 +97,8 @@ def paged_attention_ref(
     double the query rows."""
     if meta.is_decode and q.shape[0] == meta.num_seqs:  # a decode step (a CUDA graph's padding rows included)
         result = _attend_last_rows(q[:, None], k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                   meta.max_context_len, scale)[:, 0].nan_to_num(0.0).to(q.dtype)  # context 0: zeros
+                                   meta.max_context_len, scale, sliding_window, logit_softcap)
+        result = result[:, 0].nan_to_num(0.0).to(q.dtype)  # context 0: zeros
         return result if out is None else out.copy_(result)
     out = torch.empty_like(q) if out is None else out
     cu, context_lens = meta.cu_query_lens.tolist(), meta.context_lens.tolist()
@@ -110,7 +119,8 @@ def paged_attention_ref(
                 query, target = q.index_select(0, rows), None
             result = _attend_last_rows(query.view(len(seqs), longest, *q.shape[1:]), k_cache, v_cache,
                                        meta.block_tables[index], meta.context_lens[index],
-                                       max(context_lens[i] for i in seqs), scale).flatten(0, 1)
+                                       max(context_lens[i] for i in seqs), scale, sliding_window,
+                                       logit_softcap).flatten(0, 1)
             if target is not None:
                 target.copy_(result)
             else:
@@ -122,7 +132,8 @@ def paged_attention_ref(
 
 def _attend_last_rows(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, max_context_len: int, scale: float,
+    context_lens: torch.Tensor, max_context_len: int, scale: float, sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """query [B, Q, Hq, D], the tokens at positions context_len - Q ... context_len - 1 of each sequence -> their
     attention [B, Q, Hq, D] in float32, in one call of scaled_dot_product_attention over the sequences' padded block
@@ -149,32 +160,42 @@ def _attend_last_rows(
         rows = rows.view(num_seqs * length, num_kv_heads * head_dim).index_fill_(0, hidden, 0.0)
         return rows.view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
 
-    mask = None  # one sequence's one new token sees every key
-    if num_seqs > 1 or num_rows > 1:
+    mask = None  # one sequence's one new token sees every key (without a window)
+    if num_seqs > 1 or num_rows > 1 or sliding_window is not None:
         positions = context_lens[:, None] - num_rows + torch.arange(num_rows, device=query.device)  # [B, Q]
-        causal = torch.arange(length, device=query.device) <= positions[:, :, None]  # [B, Q, L]
+        keys = torch.arange(length, device=query.device)
+        visible = keys <= positions[:, :, None]  # [B, Q, L]
+        if sliding_window is not None:  # as transformers' sliding_window_overlay: key j visible iff p - j < window
+            visible &= keys > positions[:, :, None] - sliding_window
         # rows ordered (position, head), below; a one-row query's mask broadcasts over the heads
-        mask = (causal if num_rows == 1 else causal.repeat_interleave(group, dim=1))[:, None]
+        mask = (visible if num_rows == 1 else visible.repeat_interleave(group, dim=1))[:, None]
     # the query heads of a KV head are rows of one attention problem (no K/V repeated per query head)
     query = query.float().view(num_seqs, num_rows, num_kv_heads, group, head_dim).transpose(1, 2)
     query = query.reshape(num_seqs, num_kv_heads, num_rows * group, head_dim)
-    out = F.scaled_dot_product_attention(query, gather(k_cache), gather(v_cache), mask, scale=scale)
+    if logit_softcap is None:
+        out = F.scaled_dot_product_attention(query, gather(k_cache), gather(v_cache), mask, scale=scale)
+    else:  # (scaled_dot_product_attention cannot cap the scores)
+        scores = cap_logits(query @ gather(k_cache).transpose(-1, -2) * scale, logit_softcap)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        out = scores.softmax(-1).nan_to_num(0.0) @ gather(v_cache)  # (no keys: zeros, as that function gives)
     out = out.view(num_seqs, num_kv_heads, num_rows, group, head_dim).transpose(1, 2)
     return out.reshape(num_seqs, num_rows, num_q_heads, head_dim)
 
 
 def attend_blocks_ref(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, first_key: int,
-    context_lens: torch.Tensor, scale: float, with_lse: bool = False,
+    context_lens: torch.Tensor, scale: float, with_lse: bool = False, logit_softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Row t of query [T, Hkv, G, D] (float32, G query heads per KV head) against keys first_key ..
     context_lens[t] - 1, held in blocks[t] (the row's blocks from first_key // block_size on): out [T, Hkv, G, D]
-    float32 and, with_lse, its log2-sum-exp [T, Hkv, G] (-inf without keys). A row without keys gets zeros."""
+    float32 and, with_lse, its log2-sum-exp [T, Hkv, G] (-inf without keys). A row without keys gets zeros.
+    logit_softcap: as paged_attention_ref's."""
     num_rows, num_kv_heads, _, head_dim = query.shape
     length = blocks.shape[1] * k_cache.shape[1]
     k = k_cache[blocks].reshape(num_rows, length, num_kv_heads, head_dim).float()
     v = v_cache[blocks].reshape(num_rows, length, num_kv_heads, head_dim).float()
-    scores = torch.einsum("thgd,tlhd->thgl", query, k) * scale
+    scores = cap_logits(torch.einsum("thgd,tlhd->thgl", query, k) * scale, logit_softcap)
     positions = first_key + torch.arange(length, device=query.device)
     visible = positions[None, :] < context_lens[:, None]
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
@@ -220,11 +241,21 @@ if triton is not None:
                     "=r,=r,r", [v.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
         return v.to(dtype)
 
+    @triton.jit
+    def _cap_scores(s, SOFTCAP: tl.constexpr):
+        """Gemma 2's logit soft-capping, cap * tanh(score / cap), on scores s in the kernels' base-2 units (natural
+        ones times log2(e)): with SOFTCAP = cap * log2(e) it is the natural cap converted, as SOFTCAP * tanh(s /
+        SOFTCAP) = log2(e) * cap * tanh(score / cap). tanh(x) = 1 - 2 / (e^2x + 1), from exp2 (triton.language has
+        no tanh that the interpreter runs too); it saturates to +-1 for large |x|."""
+        return SOFTCAP * (1.0 - 2.0 / (tl.exp2(s * (2.0 * 1.4426950408889634 / SOFTCAP)) + 1.0))
+
     # One step of the online softmax over the keys start_n .. start_n + BLOCK_N of one sequence:
     #   s = (q @ K^T) * scale*log2(e), masked;  m' = max(m, rowmax(s));  p = exp2(s - m')
     #   l' = l * exp2(m - m') + rowsum(p);      acc' = acc * exp2(m - m') + p @ V
     # K/V rows are gathered through the block table: key n lives in block table[n // BLOCK_SIZE], slot
-    # n % BLOCK_SIZE. CAUSAL masks key n > q_pos[row]; BOUNDED masks keys >= kv_end (tiles that are not full).
+    # n % BLOCK_SIZE. CAUSAL masks key n > q_pos[row]; BOUNDED masks keys >= kv_end (tiles that are not full);
+    # SLIDING_WINDOW (0: none) masks keys n <= q_pos[row] - SLIDING_WINDOW, as transformers' sliding_window_overlay
+    # (key n visible iff q_pos - n < window); SOFTCAP (0.0: none) caps the scores (_cap_scores).
     # K and V are converted to q's dtype as they are loaded: a float8 cache (kv_cache_dtype="fp8") is read as
     # half the bytes and multiplied as q's type (float16 there, see _query_for); for a cache of q's dtype the
     # conversion is no code at all.
@@ -233,7 +264,7 @@ if triton is not None:
         acc, m_i, l_i, q, q_pos, start_n, kv_end, table_ptr, k_base, v_base,
         stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
         BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-        CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
+        CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, SLIDING_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     ):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -251,10 +282,14 @@ if triton is not None:
             k = tl.load(k_ptrs)
         k = k.to(q.dtype)
         s = _dot(q, tl.trans(k)) * qk_scale
+        if SOFTCAP > 0.0:
+            s = _cap_scores(s, SOFTCAP)
         if CAUSAL:
             s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
         elif BOUNDED:
             s = tl.where(in_range[None, :], s, float("-inf"))
+        if SLIDING_WINDOW:
+            s = tl.where(offs_n[None, :] > q_pos[:, None] - SLIDING_WINDOW, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
@@ -281,10 +316,12 @@ if triton is not None:
     def _attend_keys(
         q, start, end, table_ptr, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+        SOFTCAP: tl.constexpr,
     ):
         """Query rows q [ROWS, HEAD_DIM] against keys start .. end - 1 of one block table, every row seeing all of
         them (a decode token, or cascade attention's shared prefix): the normalized output [ROWS, HEAD_DIM] and
-        its log2-sum-exp [ROWS]. q as loaded: _query_for makes it what the tiles multiply."""
+        its log2-sum-exp [ROWS]. q as loaded: _query_for makes it what the tiles multiply. (No window mask: a decode
+        token's keys start inside its window.)"""
         q = _query_for(q, k_base)
         m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([ROWS], dtype=tl.float32)
@@ -293,7 +330,7 @@ if triton is not None:
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, m_i, start_n, end, table_ptr, k_base, v_base,
                 stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                BLOCK_N, BLOCK_SIZE, HEAD_DIM, CAUSAL=False, BOUNDED=True,
+                BLOCK_N, BLOCK_SIZE, HEAD_DIM, CAUSAL=False, BOUNDED=True, SLIDING_WINDOW=0, SOFTCAP=SOFTCAP,
             )
         return acc / l_i[:, None], m_i + tl.log2(l_i)
 
@@ -308,13 +345,16 @@ if triton is not None:
     # // GROUP query tokens times the GROUP heads of this KV head; token j of the sequence sits at position
     # context_len - query_len + j. Keys below the tile's first position are visible to every row (unmasked
     # loop); the diagonal band up to its last position is masked causally; keys beyond it are skipped.
+    # SLIDING_WINDOW (0: none) and SOFTCAP (0.0: none) as in _attend_tile; with a window the unmasked loop starts
+    # at the tile of the first row's oldest visible key (no row sees a key below it) and masks each row's window.
     @triton.jit(do_not_specialize=["stride_table"])  # varies from step to step: compile once
     def _paged_prefill_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_query_lens_ptr, context_lens_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_table, qk_scale,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         pdl_wait(USE_PDL)
         BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
@@ -347,17 +387,22 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
-        for start_n in range(0, full_end, BLOCK_N):
+        first_key = 0
+        if SLIDING_WINDOW:  # (aligned down to a tile, so that the unmasked loop's tiles stay below full_end)
+            first_key = tl.maximum(first_pos - SLIDING_WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        for start_n in range(first_key, full_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, q_pos, start_n, full_end, table_ptr, k_base, v_base,
                 stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                BLOCK_N, BLOCK_SIZE, HEAD_DIM, CAUSAL=False, BOUNDED=False,
+                BLOCK_N, BLOCK_SIZE, HEAD_DIM, CAUSAL=False, BOUNDED=False, SLIDING_WINDOW=SLIDING_WINDOW,
+                SOFTCAP=SOFTCAP,
             )
         for start_n in range(full_end, last_pos + 1, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, q_pos, start_n, last_pos + 1, table_ptr, k_base, v_base,
                 stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                BLOCK_N, BLOCK_SIZE, HEAD_DIM, CAUSAL=True, BOUNDED=True,
+                BLOCK_N, BLOCK_SIZE, HEAD_DIM, CAUSAL=True, BOUNDED=True, SLIDING_WINDOW=SLIDING_WINDOW,
+                SOFTCAP=SOFTCAP,
             )
         out = acc / l_i[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -398,6 +443,8 @@ if triton is not None:
     # num_prefix_splits + num_splits slots per row (the prefix pass fills the first ones). MERGE_PREFIX (with
     # SKIP_PREFIX and one split): the program merges the prefix pass's pieces with its own result and writes the
     # output, as the combine kernel would (the same sums in the same order), which then is not launched.
+    # SLIDING_WINDOW (0: none): the keys start at context_len - SLIDING_WINDOW (the token's oldest visible one), so
+    # the splits cut the window alone and the blocks before it are never read. SOFTCAP: as in _attend_tile.
     @triton.jit(do_not_specialize=["stride_table", "num_splits", "num_prefix_splits"])
     def _paged_decode_kernel(
         out_ptr, partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
@@ -407,7 +454,7 @@ if triton is not None:
         num_prefix_splits,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr, SINGLE_SPLIT: tl.constexpr, SKIP_PREFIX: tl.constexpr, MERGE_PREFIX: tl.constexpr,
-        USE_PDL: tl.constexpr,
+        SLIDING_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         # Before the wait, what the kernel before (qkv's product, storing this step's K and V) cannot change: the
         # batch's layout, written before the step, and where this piece's keys are; their lines are prefetched
@@ -424,6 +471,8 @@ if triton is not None:
             key_start = 0
             num_slots = num_splits
             first_slot = 0
+        if SLIDING_WINDOW:  # the blocks before the window are skipped: the splits below cut the window alone
+            key_start = tl.maximum(context_len - SLIDING_WINDOW, key_start)
         partition = _split_partition(context_len - key_start, num_splits, min_partition, BLOCK_N)
         start = key_start + split * partition
         end = tl.minimum(start + partition, context_len)
@@ -454,7 +503,7 @@ if triton is not None:
                     mask=row_valid[:, None], other=0.0)
         out, lse = _attend_keys(q, start, end, table_ptr, k_cache_ptr + kv_head * stride_kh,
                                 v_cache_ptr + kv_head * stride_vh, stride_kb, stride_ks, stride_vb, stride_vs,
-                                qk_scale, BLOCK_G, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
+                                qk_scale, BLOCK_G, BLOCK_N, BLOCK_SIZE, HEAD_DIM, SOFTCAP)
         if SINGLE_SPLIT:
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
         elif MERGE_PREFIX:
@@ -486,7 +535,8 @@ if triton is not None:
     # context into the same pieces, see _split_partition; unused slots add exact zeros). A program per (sequence,
     # head) reducing a tile of every possible slot spent most of cascade attention's time at large batches.
     # CASCADE: the row's slots are num_prefix_splits pieces of the shared prefix (prefix_len tokens, cut as
-    # _split_partition cuts a context), then num_splits pieces of the row's own suffix.
+    # _split_partition cuts a context), then num_splits pieces of the row's own suffix. SLIDING_WINDOW: the pieces
+    # cut the window's min(context_len, SLIDING_WINDOW) keys, as the decode kernel did.
     @triton.jit
     def _prefix_pieces(prefix_len, num_prefix_splits, min_partition, BLOCK_N: tl.constexpr):
         """How many of cascade attention's prefix slots hold a piece with keys (the first ones)."""
@@ -502,7 +552,7 @@ if triton is not None:
 
     @triton.jit
     def _slots_used(slot, context_len, prefix_len, num_splits, num_prefix_splits, min_partition,
-                    BLOCK_N: tl.constexpr, CASCADE: tl.constexpr):
+                    BLOCK_N: tl.constexpr, CASCADE: tl.constexpr, SLIDING_WINDOW: tl.constexpr):
         """Whether slot (a scalar or a tensor of slots) holds a piece with keys, and the end of the used slots."""
         if CASCADE:
             prefix_pieces = _prefix_pieces(prefix_len, num_prefix_splits, min_partition, BLOCK_N)
@@ -513,7 +563,10 @@ if triton is not None:
             used = (slot < prefix_pieces) | ((suffix_slot >= 0) & (suffix_slot < suffix_pieces))
             end = num_prefix_splits + suffix_pieces
         else:
-            end = tl.minimum(tl.cdiv(context_len, _split_partition(context_len, num_splits, min_partition, BLOCK_N)),
+            num_keys = context_len
+            if SLIDING_WINDOW:
+                num_keys = tl.minimum(context_len, SLIDING_WINDOW)
+            end = tl.minimum(tl.cdiv(num_keys, _split_partition(num_keys, num_splits, min_partition, BLOCK_N)),
                              num_splits)
             used = slot < end
         return used, end
@@ -523,7 +576,7 @@ if triton is not None:
         out_ptr, partial_out_ptr, partial_lse_ptr, cu_query_lens_ptr, context_lens_ptr, prefix_len_ptr,
         stride_ot, stride_oh, num_q_heads, num_splits, min_partition, num_prefix_splits,
         HEADS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-        CASCADE: tl.constexpr, USE_PDL: tl.constexpr,
+        CASCADE: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         # (the batch's layout and which slots hold pieces do not depend on the kernel before: read before the wait)
         seq = tl.program_id(0)
@@ -537,7 +590,7 @@ if triton is not None:
         rows = (seq * num_q_heads + heads).to(tl.int64) * num_slots  # each (sequence, head) row's first slot
         splits = tl.arange(0, BLOCK_SPLITS)
         used, end = _slots_used(splits, context_len, prefix_len, num_splits, num_prefix_splits, min_partition,
-                                BLOCK_N, CASCADE)
+                                BLOCK_N, CASCADE, SLIDING_WINDOW)
         pdl_wait(USE_PDL)
         offs_d = tl.arange(0, HEAD_DIM)
         out_ptrs = out_ptr + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
@@ -555,13 +608,19 @@ if triton is not None:
             for j in tl.static_range(4):
                 slot = first + j + tl.zeros([HEADS], dtype=tl.int32)  # (per row: a mask of the rows' shape)
                 slot_used, _ = _slots_used(slot, context_len, prefix_len, num_splits, num_prefix_splits,
-                                           min_partition, BLOCK_N, CASCADE)
+                                           min_partition, BLOCK_N, CASCADE, SLIDING_WINDOW)
                 mask = head_ok & slot_used
                 piece_lse = tl.load(partial_lse_ptr + rows + slot, mask=mask, other=float("-inf"))
                 piece = tl.load(partial_out_ptr + (rows + slot)[:, None] * HEAD_DIM + offs_d[None, :],
                                 mask=mask[:, None], other=0.0)
                 acc, total = _merge_piece(acc, total, piece, piece_lse, top)
         tl.store(out_ptrs, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+
+def softcap_switch(logit_softcap: float | None) -> float:
+    """The kernels' SOFTCAP constexpr: the cap in their base-2 units (times log2(e), _cap_scores), 0.0 for none; so
+    that without a cap they compile exactly as they would without the feature."""
+    return 0.0 if logit_softcap is None else logit_softcap * _LOG2E
 
 
 def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
@@ -621,7 +680,8 @@ def decode_rows(group: int, cache_dtype: torch.dtype) -> int:
 
 def paged_prefill_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    config: PrefillConfig | None = None, out: torch.Tensor | None = None,
+    config: PrefillConfig | None = None, out: torch.Tensor | None = None, *, sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """The FlashAttention-2 path of paged_attention_triton, for any mix of query lengths. `config`
     overrides prefill_config (tests use small tiles to exercise many tiles on tiny inputs)."""
@@ -639,6 +699,7 @@ def paged_prefill_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0), scale * _LOG2E,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=q.shape[2],
+        SLIDING_WINDOW=sliding_window or 0, SOFTCAP=softcap_switch(logit_softcap),
         num_warps=num_warps, num_stages=num_stages, **pdl_options(q),
     )
     return out
@@ -667,11 +728,13 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int) ->
 
 def paged_decode_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    num_splits: int | None = None, config: DecodeConfig | None = None, out: torch.Tensor | None = None,
+    num_splits: int | None = None, config: DecodeConfig | None = None, out: torch.Tensor | None = None, *,
+    sliding_window: int | None = None, logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """The flash-decoding path of paged_attention_triton (every sequence has query_len <= 1).
     num_splits overrides decode_num_splits, and then pieces may be as short as BLOCK_N (tests force
-    several splits on tiny contexts); config overrides decode_config."""
+    several splits on tiny contexts); config overrides decode_config. With a sliding window a token reads its
+    window's keys alone, and the splits are sized for no more than the window."""
     _check_shapes(q, k_cache, v_cache)
     num_seqs, num_q_heads, num_kv_heads, head_dim = meta.num_seqs, q.shape[1], k_cache.shape[2], q.shape[2]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
@@ -680,7 +743,8 @@ def paged_decode_triton(
     block_n, num_warps, num_stages = config or decode_config(head_dim, q.dtype, k_cache.dtype, num_seqs * num_kv_heads)
     min_partition = _DECODE_MIN_PARTITION if num_splits is None else block_n
     if num_splits is None:
-        num_splits = decode_num_splits(num_seqs, num_kv_heads, meta.max_context_len)
+        longest = meta.max_context_len if sliding_window is None else min(meta.max_context_len, sliding_window)
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, longest)
     single = num_splits == 1
     if single:
         partial_out = partial_lse = out  # unused
@@ -689,9 +753,10 @@ def paged_decode_triton(
                                   device=q.device)
         partial_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     launch_decode(out, partial_out, partial_lse, q, k_cache, v_cache, meta, scale, num_splits, min_partition,
-                  (block_n, num_warps, num_stages))
+                  (block_n, num_warps, num_stages), sliding_window=sliding_window, logit_softcap=logit_softcap)
     if not single:
-        launch_combine(out, partial_out, partial_lse, meta, num_splits, min_partition, block_n)
+        launch_combine(out, partial_out, partial_lse, meta, num_splits, min_partition, block_n,
+                       sliding_window=sliding_window)
     return out
 
 
@@ -699,13 +764,15 @@ def launch_decode(
     out: torch.Tensor, partial_out: torch.Tensor, partial_lse: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, num_splits: int, min_partition: int,
     config: DecodeConfig, prefix_len: torch.Tensor | None = None, num_prefix_splits: int = 0,
-    merge_prefix: bool = False,
+    merge_prefix: bool = False, sliding_window: int | None = None, logit_softcap: float | None = None,
 ) -> None:
     """Decode pass 1 (_paged_decode_kernel); with prefix_len, cascade attention's suffix pass, whose partials
     follow num_prefix_splits slots of the prefix pass's in each row; merge_prefix (one split): it merges the
-    prefix pass's slots itself and writes `out`."""
+    prefix pass's slots itself and writes `out`. (Cascade attention takes no window: see window_allows_cascade.)"""
     if merge_prefix and (num_splits != 1 or prefix_len is None):
         raise ValueError("merge_prefix needs cascade's suffix pass (prefix_len) in one split")
+    if prefix_len is not None and sliding_window is not None:
+        raise ValueError("cascade attention's suffix pass takes no sliding window")
     block_n, num_warps, num_stages = config
     num_seqs, num_q_heads, num_kv_heads, head_dim = meta.num_seqs, q.shape[1], k_cache.shape[2], q.shape[2]
     group = num_q_heads // num_kv_heads
@@ -718,17 +785,18 @@ def launch_decode(
         num_q_heads, num_splits, min_partition, num_prefix_splits,
         GROUP=group, BLOCK_G=decode_rows(group, k_cache.dtype), BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, SINGLE_SPLIT=num_splits == 1 and prefix_len is None,
-        SKIP_PREFIX=prefix_len is not None, MERGE_PREFIX=merge_prefix, num_warps=num_warps, num_stages=num_stages,
-        **pdl_options(q),
+        SKIP_PREFIX=prefix_len is not None, MERGE_PREFIX=merge_prefix, SLIDING_WINDOW=sliding_window or 0,
+        SOFTCAP=softcap_switch(logit_softcap), num_warps=num_warps, num_stages=num_stages, **pdl_options(q),
     )
 
 
 def launch_combine(
     out: torch.Tensor, partial_out: torch.Tensor, partial_lse: torch.Tensor, meta: AttentionMetadata,
     num_splits: int, min_partition: int, block_n: int, prefix_len: torch.Tensor | None = None,
-    num_prefix_splits: int = 0,
+    num_prefix_splits: int = 0, sliding_window: int | None = None,
 ) -> None:
-    """Decode pass 2 (_combine_splits_kernel); with prefix_len, the prefix's slots are merged too."""
+    """Decode pass 2 (_combine_splits_kernel); with prefix_len, the prefix's slots are merged too; sliding_window:
+    the decode pass's, whose pieces cut the window alone."""
     num_q_heads, head_dim = out.shape[1], out.shape[2]
     heads = combine_heads(meta.num_seqs, num_q_heads)
     _combine_splits_kernel[(meta.num_seqs, triton.cdiv(num_q_heads, heads))](
@@ -737,7 +805,7 @@ def launch_combine(
         out.stride(0), out.stride(1), num_q_heads, num_splits, min_partition, num_prefix_splits,
         # (one width for the slots' log-sum-exps whatever the split count: no new variant mid-run)
         HEADS=heads, BLOCK_SPLITS=max(_DECODE_MAX_SPLITS, triton.next_power_of_2(num_splits + num_prefix_splits)),
-        BLOCK_N=block_n, HEAD_DIM=head_dim, CASCADE=prefix_len is not None,
+        BLOCK_N=block_n, HEAD_DIM=head_dim, CASCADE=prefix_len is not None, SLIDING_WINDOW=sliding_window or 0,
         num_warps=max(1, min(4, heads * head_dim // 256)), **pdl_options(out),
     )
 
@@ -756,15 +824,16 @@ def combine_heads(num_seqs: int, num_q_heads: int) -> int:
 
 def paged_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, *, sliding_window: int | None = None, logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """The Triton kernels of paged_attention_ref: flash-decoding when every sequence adds one token,
     FlashAttention-2 over the paged cache otherwise (a mixed step's first meta.num_decodes sequences through
     flash-decoding). Grids depend on Python ints only (no host syncs)."""
+    options = dict(sliding_window=sliding_window, logit_softcap=logit_softcap)
     if meta.is_decode:
-        return paged_decode_triton(q, k_cache, v_cache, meta, scale, out=out)
+        return paged_decode_triton(q, k_cache, v_cache, meta, scale, out=out, **options)
     if meta.num_decodes == 0:
-        return paged_prefill_triton(q, k_cache, v_cache, meta, scale, out=out)
+        return paged_prefill_triton(q, k_cache, v_cache, meta, scale, out=out, **options)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-    paged_decode_triton(q, k_cache, v_cache, meta.first_seqs(meta.num_decodes), scale, out=out)
-    return paged_prefill_triton(q, k_cache, v_cache, meta.last_seqs(meta.num_decodes), scale, out=out)
+    paged_decode_triton(q, k_cache, v_cache, meta.first_seqs(meta.num_decodes), scale, out=out, **options)
+    return paged_prefill_triton(q, k_cache, v_cache, meta.last_seqs(meta.num_decodes), scale, out=out, **options)

@@ -14,7 +14,11 @@ size serves every prefix:
 2. the suffix pass: attention.py's decode kernel with SKIP_PREFIX, keys from the prefix's end;
 3. the decode combine kernel with CASCADE, which merges the prefix's pieces and the suffix's alike. When each
    suffix is one piece (large batches: the case cascade attention is for), the suffix pass merges the prefix's
-   pieces itself (MERGE_PREFIX) and this launch, with its round trip of the suffix's partials, is left out."""
+   pieces itself (MERGE_PREFIX) and this launch, with its round trip of the suffix's partials, is left out.
+
+Logit soft-capping (Gemma 2) applies in both passes. A sliding window does not: the prefix pass lets every query
+see the whole shared prefix, which is right only where no context outgrows the window (window_allows_cascade);
+ops.paged_attention takes the plain path otherwise."""
 
 from __future__ import annotations
 
@@ -31,8 +35,10 @@ from tinyvllm.ops.attention import (
     DecodeConfig,
     _check_shapes,
     attend_blocks_ref,
+    cap_logits,
     decode_config,
     decode_num_splits,
+    softcap_switch,
 )
 
 try:
@@ -52,6 +58,13 @@ def use_cascade_attention(common_prefix_len: int, num_seqs: int) -> bool:
     """Whether a decode step of num_seqs sequences sharing common_prefix_len tokens (whole blocks) should
     read the prefix once (cascade attention) rather than once per sequence."""
     return common_prefix_len >= CASCADE_MIN_PREFIX_TOKENS and num_seqs >= CASCADE_MIN_SEQS
+
+
+def window_allows_cascade(max_context_len: int, sliding_window: int | None) -> bool:
+    """Whether cascade attention computes a decode step of a layer with this sliding window right: its prefix pass
+    lets every query see all of the shared prefix, so only without a window or where no context (max_context_len,
+    an upper bound) is longer than the window, which then hides nothing."""
+    return sliding_window is None or max_context_len <= sliding_window
 
 
 def common_prefix_len(block_tables: np.ndarray, context_lens: np.ndarray, block_size: int) -> int:
@@ -79,7 +92,7 @@ def _token_seqs(meta: AttentionMetadata) -> torch.Tensor:
 
 def cascade_prefix_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, prefix_len: int,
-    scale: float,
+    scale: float, logit_softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every token's query against the first prefix_len keys of block_table: out [T, Hq, D] float32 and its
     log2-sum-exp [T, Hq] (-inf without keys), as the prefix pass gives them."""
@@ -92,7 +105,7 @@ def cascade_prefix_ref(
     k = k_cache[blocks].reshape(prefix_len, num_kv_heads, head_dim).float()
     v = v_cache[blocks].reshape(prefix_len, num_kv_heads, head_dim).float()
     query = q.float().view(num_tokens, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("thgd,lhd->thgl", query, k) * scale
+    scores = cap_logits(torch.einsum("thgd,lhd->thgl", query, k) * scale, logit_softcap)
     out = torch.einsum("thgl,lhd->thgd", scores.softmax(-1), v)
     lse = torch.logsumexp(scores, -1) * _LOG2E
     return out.reshape(q.shape), lse.reshape(num_tokens, num_q_heads)
@@ -100,7 +113,7 @@ def cascade_prefix_ref(
 
 def cascade_suffix_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, prefix_len: int,
-    scale: float,
+    scale: float, logit_softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every token of a decode batch against its own sequence's keys prefix_len .. context_len - 1 (prefix_len
     a multiple of the block size): out [T, Hq, D] float32 and log2-sum-exp [T, Hq] (-inf without keys)."""
@@ -111,7 +124,8 @@ def cascade_suffix_ref(
     num_blocks = min((meta.max_context_len + block_size - 1) // block_size, meta.block_tables.shape[1])
     query = q.float().view(num_tokens, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     out, lse = attend_blocks_ref(query, k_cache, v_cache, meta.block_tables[seqs, first:max(num_blocks, first)].long(),
-                                 prefix_len, meta.context_lens[seqs], scale, with_lse=True)
+                                 prefix_len, meta.context_lens[seqs], scale, with_lse=True,
+                                 logit_softcap=logit_softcap)
     return out.reshape(q.shape), lse.reshape(num_tokens, num_q_heads)
 
 
@@ -130,7 +144,7 @@ def merge_attention_ref(
 
 def cascade_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, *, logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """paged_attention_ref computed as cascade attention computes it, for a decode step with meta.common_prefix_len
     set (ops.paged_attention sends only those here): the shared prefix (block_tables[0]'s first common_prefix_len
@@ -138,8 +152,8 @@ def cascade_attention_ref(
     prefix_len = int(meta.common_prefix_len[0])
     if prefix_len % k_cache.shape[1]:
         raise ValueError(f"common_prefix_len={prefix_len} is not a whole number of {k_cache.shape[1]}-token blocks")
-    prefix = cascade_prefix_ref(q, k_cache, v_cache, meta.block_tables[0], prefix_len, scale)
-    suffix = cascade_suffix_ref(q, k_cache, v_cache, meta, prefix_len, scale)
+    prefix = cascade_prefix_ref(q, k_cache, v_cache, meta.block_tables[0], prefix_len, scale, logit_softcap)
+    suffix = cascade_suffix_ref(q, k_cache, v_cache, meta, prefix_len, scale, logit_softcap)
     merged = merge_attention_ref(*prefix, *suffix)
     has_keys = meta.context_lens[_token_seqs(meta)] > 0  # a padding row (context 0) attends to nothing: zeros
     result = torch.where(has_keys[:, None, None], merged, torch.zeros_like(merged)).to(q.dtype)
@@ -157,14 +171,14 @@ if triton is not None:
     # partition, prefix_len), cut as _split_partition cuts a context, through block_tables[0], and writes the
     # partial result and its log2-sum-exp to slot `split` of the row's num_slots. Rows of sequences without a
     # token this step write nothing; a CUDA graph's padding rows (context 0) compute, and the combine kernel (or
-    # the merging suffix pass) writes their zeros.
+    # the merging suffix pass) writes their zeros. SOFTCAP (0.0: none): attention.softcap_switch.
     @triton.jit(do_not_specialize=["num_rows", "num_prefix_splits", "num_slots"])
     def _cascade_prefix_kernel(
         partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_query_lens_ptr,
         prefix_len_ptr, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         qk_scale, num_rows, num_q_heads, num_prefix_splits, num_slots, min_partition,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
+        HEAD_DIM: tl.constexpr, SOFTCAP: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         pdl_wait(USE_PDL)
         kv_head, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -188,7 +202,7 @@ if triton is not None:
                     mask=row_valid[:, None], other=0.0)
         out, lse = _attend_keys(q, start, end, block_tables_ptr, k_cache_ptr + kv_head * stride_kh,
                                 v_cache_ptr + kv_head * stride_vh, stride_kb, stride_ks, stride_vb, stride_vs,
-                                qk_scale, BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
+                                qk_scale, BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, SOFTCAP)
         part = (seq * num_q_heads + head).to(tl.int64) * num_slots + split
         _store_partial(partial_out_ptr, partial_lse_ptr, part, out, lse, row_valid, HEAD_DIM)
 
@@ -248,7 +262,7 @@ def cascade_plan(
 
 def cascade_prefix_pass(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    plan: CascadePlan,
+    plan: CascadePlan, logit_softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pass 1: partial results [B, Hq, P + S, D] float32 and their log2-sum-exp [B, Hq, P + S], of which it fills
     slots 0 .. P-1 with the prefix's pieces (pieces without keys are not written)."""
@@ -266,25 +280,26 @@ def cascade_prefix_pass(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), scale * _LOG2E,
         num_seqs * group, num_q_heads, plan.num_prefix_splits, num_slots, plan.min_partition,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=plan.decode_config[0], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
-        num_warps=num_warps, num_stages=num_stages, **pdl_options(q),
+        SOFTCAP=softcap_switch(logit_softcap), num_warps=num_warps, num_stages=num_stages, **pdl_options(q),
     )
     return partial_out, partial_lse
 
 
 def cascade_partials_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    plan: CascadePlan,
+    plan: CascadePlan, logit_softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Passes 1 and 2 unmerged: the prefix pass's partials with the suffix's in slots P .. P+S-1."""
-    partial_out, partial_lse = cascade_prefix_pass(q, k_cache, v_cache, meta, scale, plan)
+    partial_out, partial_lse = cascade_prefix_pass(q, k_cache, v_cache, meta, scale, plan, logit_softcap)
     launch_decode(partial_out, partial_out, partial_lse, q, k_cache, v_cache, meta, scale, plan.num_splits,
-                  plan.min_partition, plan.decode_config, meta.common_prefix_len, plan.num_prefix_splits)
+                  plan.min_partition, plan.decode_config, meta.common_prefix_len, plan.num_prefix_splits,
+                  logit_softcap=logit_softcap)
     return partial_out, partial_lse
 
 
 def cascade_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    plan: CascadePlan | None = None, out: torch.Tensor | None = None,
+    plan: CascadePlan | None = None, out: torch.Tensor | None = None, *, logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """The Triton kernels of cascade_attention_ref (a decode step with meta.common_prefix_len set): the prefix
     pass, the suffix pass and the combine (left out when the suffix pass merges: one suffix piece), no host syncs.
@@ -295,11 +310,12 @@ def cascade_attention_triton(
         return out
     plan = plan or cascade_plan(q, k_cache, meta)
     if plan.num_splits == 1:
-        partial_out, partial_lse = cascade_prefix_pass(q, k_cache, v_cache, meta, scale, plan)
+        partial_out, partial_lse = cascade_prefix_pass(q, k_cache, v_cache, meta, scale, plan, logit_softcap)
         launch_decode(out, partial_out, partial_lse, q, k_cache, v_cache, meta, scale, 1, plan.min_partition,
-                      plan.decode_config, meta.common_prefix_len, plan.num_prefix_splits, merge_prefix=True)
+                      plan.decode_config, meta.common_prefix_len, plan.num_prefix_splits, merge_prefix=True,
+                      logit_softcap=logit_softcap)
         return out
-    partial_out, partial_lse = cascade_partials_triton(q, k_cache, v_cache, meta, scale, plan)
+    partial_out, partial_lse = cascade_partials_triton(q, k_cache, v_cache, meta, scale, plan, logit_softcap)
     launch_combine(out, partial_out, partial_lse, meta, plan.num_splits, plan.min_partition, plan.decode_config[0],
                    meta.common_prefix_len, plan.num_prefix_splits)
     return out

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -214,11 +215,11 @@ class CudaGraphs:
 @dataclass
 class _Pieces:
     """One token count's capture: graphs[i] runs up to attention call i (graphs[-1] to the end), whose KV
-    caches and scale attention[i] holds; output is the hidden states the last graph writes (pool memory,
-    overwritten by the next replay of any graph: read it before then)."""
+    caches, scale and keywords (the layer's sliding window, logit soft-cap) attention[i] holds; output is the hidden
+    states the last graph writes (pool memory, overwritten by the next replay of any graph: read it before then)."""
 
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
-    attention: list[tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=list)
+    attention: list[tuple[torch.Tensor, torch.Tensor, float, dict[str, Any]]] = field(default_factory=list)
     output: torch.Tensor | None = None
 
 
@@ -308,7 +309,7 @@ class PiecewiseCudaGraphs:
         self.pool = graph.pool()
         return graph, output
 
-    def _warm_up_attention(self, q: torch.Tensor, *rest: object) -> torch.Tensor:
+    def _warm_up_attention(self, q: torch.Tensor, *rest: object, **options: object) -> torch.Tensor:
         """Attention in the warm-up runs (the largest count first): allocates the query and output buffers."""
         if self.query is None:
             self.query = torch.empty((self.token_counts[-1], *q.shape[1:]), dtype=q.dtype, device=q.device)
@@ -327,13 +328,13 @@ class PiecewiseCudaGraphs:
             pieces.graphs.append(graph)
 
         def cut(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, _meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, **options: Any) -> torch.Tensor:
             count = q.shape[0]
             assert self.query is not None and self.attn_out is not None and self.query.shape[1:] == q.shape[1:]
             self.query[:count].copy_(q)  # (in the piece: the query it leaves for attention)
             pieces.graphs[-1].capture_end()
             self.pool = pieces.graphs[-1].pool()
-            pieces.attention.append((k_cache, v_cache, scale))
+            pieces.attention.append((k_cache, v_cache, scale, options))
             begin()
             return self.attn_out[:count]
 
@@ -380,9 +381,9 @@ class PiecewiseCudaGraphs:
         n, count = self._load(input_ids, positions, meta)
         pieces = self.pieces[count]
         assert self.query is not None and self.attn_out is not None
-        for graph, (k_cache, v_cache, scale) in zip(pieces.graphs, pieces.attention):
+        for graph, (k_cache, v_cache, scale, options) in zip(pieces.graphs, pieces.attention):
             graph.replay()
-            ops.paged_attention(self.query[:n], k_cache, v_cache, meta, scale, out=self.attn_out[:n])
+            ops.paged_attention(self.query[:n], k_cache, v_cache, meta, scale, out=self.attn_out[:n], **options)
         pieces.graphs[-1].replay()
         assert pieces.output is not None
         return pieces.output[:n]
