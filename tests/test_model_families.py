@@ -1,7 +1,7 @@
 """The families beside Llama (Qwen2, Qwen3, Mistral) against transformers' own classes on random-weight configs
 unlike each other (head dims 64 and 128, GQA and MHA, tied and untied embeddings, Qwen3's head_dim apart from
-hidden / heads): float32 logits within 1e-4 over a prefill, and 32 greedy tokens identical. A sliding window shorter
-than the context is refused with an error that says what to do."""
+hidden / heads): float32 logits within 1e-4 over a prefill, and 32 greedy tokens identical; and sliding windows
+shorter than the prompt."""
 
 from __future__ import annotations
 
@@ -90,17 +90,26 @@ def test_two_ranks_chunks_and_async_scheduling_give_the_same_tokens(tmp_path, fa
     assert results[0] == results[1] == results[2]
 
 
-def test_a_sliding_window_shorter_than_the_context_is_refused(tmp_path) -> None:
-    mistral = _save(str(tmp_path / "mistral"), "Mistral", 1, hidden_size=64, num_attention_heads=2,
-                    num_key_value_heads=1, sliding_window=128)
-    with pytest.raises(ConfigError, match="sliding window of 128 tokens.*max_model_len <= 128"):
-        LLM(mistral, skip_tokenizer_init=True, device="cpu", num_kv_blocks=8, max_model_len=512)
-    llm = LLM(mistral, skip_tokenizer_init=True, device="cpu", num_kv_blocks=8, max_model_len=128)  # (fits it)
-    assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
-    qwen2 = _save(str(tmp_path / "qwen2"), "Qwen2", 1, hidden_size=64, num_attention_heads=2,
-                  num_key_value_heads=1, use_sliding_window=True, sliding_window=64, max_window_layers=0)
-    with pytest.raises(ConfigError, match="Qwen2ForCausalLM attends within a sliding window of 64"):
-        LLM(qwen2, skip_tokenizer_init=True, device="cpu", num_kv_blocks=8, max_model_len=512)
+@pytest.mark.parametrize("family_name,window", [("Mistral", dict(sliding_window=8)), (
+    "Qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1))])
+def test_sliding_windows_shorter_than_the_prompt_match_transformers(tmp_path, family_name: str, window: dict) -> None:
+    """A window of 8 tokens under a 40-token prompt: in every layer (Mistral), or from max_window_layers on (Qwen2:
+    its first layer sees the whole context); logits within 1e-4 and greedy tokens as transformers'."""
+    import transformers
+
+    path = _save(str(tmp_path / family_name), family_name, 4, hidden_size=128, num_attention_heads=2,
+                 num_key_value_heads=1, **window)
+    hf = getattr(transformers, f"{family_name}ForCausalLM").from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, skip_tokenizer_init=True, device="cpu", num_kv_blocks=32, max_num_batched_tokens=16)
+    layers = llm.llm_engine.engine_core.model_runner.model.model.layers
+    windows = [layer.self_attn.attn.sliding_window for layer in layers]
+    assert windows == ([8, 8] if family_name == "Mistral" else [None, 8])
+    prompt = [(11 * j + 5) % 250 + 2 for j in range(40)]
+    with torch.inference_mode():
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    assert relative_error(our_logits(llm, prompt), ref) < 1e-4
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)  # (chunks of 16: the window across them)
+    assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 16)
 
 
 def test_an_unsupported_architecture_names_the_supported_ones(tmp_path) -> None:

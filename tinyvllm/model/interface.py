@@ -16,19 +16,10 @@ import torch
 import torch.nn as nn
 
 from tinyvllm import ops
-from tinyvllm.config import ConfigError, ModelConfig
+from tinyvllm.config import ModelConfig
 from tinyvllm.distributed import TensorParallel, gather_last_dim
 from tinyvllm.model.layers import Attention, ParallelLMHead, RotaryEmbedding, VocabParallelEmbedding
 from tinyvllm.ops import AttentionMetadata
-
-
-def check_no_sliding_window(config: ModelConfig, window: int | None, max_positions: int) -> None:
-    """Attention here sees a sequence's whole context: a model whose attention is windowed (Mistral's, Qwen2's
-    sliding_window) runs as it was trained only while no context is longer than the window."""
-    if window is not None and window < max_positions:
-        raise ConfigError(f"{config.architecture} attends within a sliding window of {window} tokens, which this "
-                          f"engine does not implement yet: run it with max_model_len <= {window}, where the window "
-                          "changes nothing")
 
 
 class CausalLM(nn.Module):

@@ -35,8 +35,9 @@ from tinyvllm.ops import AttentionMetadata
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, qkv_bias: bool | None = None,
-                 o_bias: bool | None = None) -> None:
-        """qkv_bias, o_bias: whether the products have biases (default: config.attention_bias, as Llama's)."""
+                 o_bias: bool | None = None, sliding_window: int | None = None) -> None:
+        """qkv_bias, o_bias: whether the products have biases (default: config.attention_bias, as Llama's);
+        sliding_window: the tokens each one attends to, itself included (None: its whole context)."""
         super().__init__()
         head_dim = config.head_dim
         qkv_bias = config.attention_bias if qkv_bias is None else qkv_bias
@@ -45,7 +46,8 @@ class LlamaAttention(nn.Module):
                                           qkv_bias, tp)
         self.o_proj = RowParallelLinear(config.num_heads * head_dim, config.hidden_size, o_bias, tp, "o")
         # This rank's heads: num_heads / tp.size query heads and the num_kv_heads / tp.size KV heads they share.
-        self.attn = Attention(tp.split(config.num_heads), tp.split(config.num_kv_heads), head_dim, head_dim**-0.5)
+        self.attn = Attention(tp.split(config.num_heads), tp.split(config.num_kv_heads), head_dim, head_dim**-0.5,
+                              sliding_window=sliding_window)
 
     def forward(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """o_proj(attention(qkv)), for a qkv_proj output whose q is rotated and whose k and v are in the cache (the
@@ -66,10 +68,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = self.attention(config, tp)
+        self.self_attn = self.attention(config, tp, index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp)
 
@@ -82,8 +84,8 @@ class LlamaDecoderLayer(nn.Module):
         gated, residual = self.post_attention_layernorm.project(x, residual, self.mlp.gate_up_proj, silu_and_mul=True)
         return self.mlp.down_proj(gated), residual
 
-    def attention(self, config: ModelConfig, tp: TensorParallel) -> nn.Module:
-        """The layer's attention block (a family whose attention differs overrides this alone)."""
+    def attention(self, config: ModelConfig, tp: TensorParallel, index: int) -> nn.Module:
+        """The attention block of layer `index` (a family whose attention differs overrides this alone)."""
         return LlamaAttention(config, tp)
 
     def fold_norms(self) -> None:
@@ -117,7 +119,7 @@ class LlamaModel(nn.Module):
                  decoder_layer: type[LlamaDecoderLayer] = LlamaDecoderLayer) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(decoder_layer(config, tp) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(decoder_layer(config, tp, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norms_folded = False  # LlamaForCausalLM.fold_norms, once the weights are loaded
 

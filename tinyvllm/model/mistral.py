@@ -1,15 +1,19 @@
-"""The Mistral family: Llama's architecture under its own name, with a sliding window over the context when its
-config sets one (refused unless the context fits the window: check_no_sliding_window)."""
+"""The Mistral family: Llama's architecture under its own name, every layer attending within the config's sliding
+window when it sets one (Mistral 7B v0.1's 4,096 tokens; later ones set none)."""
 
 from __future__ import annotations
 
+import torch.nn as nn
+
 from tinyvllm.config import ModelConfig
 from tinyvllm.distributed import TensorParallel
-from tinyvllm.model.interface import check_no_sliding_window
-from tinyvllm.model.llama import LlamaForCausalLM
+from tinyvllm.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+
+
+class MistralDecoderLayer(LlamaDecoderLayer):
+    def attention(self, config: ModelConfig, tp: TensorParallel, index: int) -> nn.Module:
+        return LlamaAttention(config, tp, sliding_window=config.hf_config.get("sliding_window"))
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: ModelConfig, max_positions: int, tp: TensorParallel = TensorParallel()) -> None:
-        check_no_sliding_window(config, config.hf_config.get("sliding_window"), max_positions)
-        super().__init__(config, max_positions, tp)
+    decoder_layer = MistralDecoderLayer

@@ -1,6 +1,7 @@
 """The Qwen2 family (Qwen2, Qwen2.5): Llama's decoder layer with biases on the q, k and v products (none on o, none
-in the MLP), under its own config names. Sliding-window attention (use_sliding_window) is refused unless the context
-fits the window (check_no_sliding_window)."""
+in the MLP), under its own config names. With use_sliding_window, the layers its config marks as sliding attend
+within the window: `layer_types` where the config lists them, else those from max_window_layers on (transformers'
+rule)."""
 
 from __future__ import annotations
 
@@ -8,20 +9,24 @@ import torch.nn as nn
 
 from tinyvllm.config import ModelConfig
 from tinyvllm.distributed import TensorParallel
-from tinyvllm.model.interface import check_no_sliding_window
 from tinyvllm.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 
+def sliding_window_of(config: ModelConfig, index: int) -> int | None:
+    """Layer `index`'s window, or None where it attends to its whole context."""
+    hf = config.hf_config
+    if not hf.get("use_sliding_window") or hf.get("sliding_window") is None:
+        return None
+    layer_types = hf.get("layer_types")
+    if layer_types:
+        return hf["sliding_window"] if layer_types[index] == "sliding_attention" else None
+    return hf["sliding_window"] if index >= hf.get("max_window_layers", config.num_layers) else None
+
+
 class Qwen2DecoderLayer(LlamaDecoderLayer):
-    def attention(self, config: ModelConfig, tp: TensorParallel) -> nn.Module:
-        return LlamaAttention(config, tp, qkv_bias=True, o_bias=False)
+    def attention(self, config: ModelConfig, tp: TensorParallel, index: int) -> nn.Module:
+        return LlamaAttention(config, tp, qkv_bias=True, o_bias=False, sliding_window=sliding_window_of(config, index))
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     decoder_layer = Qwen2DecoderLayer
-
-    def __init__(self, config: ModelConfig, max_positions: int, tp: TensorParallel = TensorParallel()) -> None:
-        hf = config.hf_config
-        check_no_sliding_window(config, hf.get("sliding_window") if hf.get("use_sliding_window") else None,
-                                max_positions)
-        super().__init__(config, max_positions, tp)

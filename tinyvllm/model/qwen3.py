@@ -32,7 +32,7 @@ class Qwen3Attention(LlamaAttention):
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
-    def attention(self, config: ModelConfig, tp: TensorParallel) -> nn.Module:
+    def attention(self, config: ModelConfig, tp: TensorParallel, index: int) -> nn.Module:
         return Qwen3Attention(config, tp)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,

@@ -187,7 +187,7 @@ class ModelRunner:
         for n in sizes:
             tokens = torch.zeros(n, dtype=torch.int64, device=self.device)
             meta = AttentionMetadata(empty, empty, empty.view(1, 1), torch.full_like(tokens, -1), 1, 1,
-                                     attention=lambda q, *_: torch.zeros_like(q))
+                                     attention=lambda q, *_, **__: torch.zeros_like(q))
             self.model(tokens, tokens, meta)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
