@@ -29,6 +29,7 @@ from tests.utils import CUDA_ONLY, attention_metadata, relative_error  # noqa: E
 from tinyvllm.ops import kv_pool  # noqa: E402
 from tinyvllm.ops.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from tinyvllm.ops.attention import AttentionMetadata, paged_attention_ref, paged_attention_triton  # noqa: E402
+from tinyvllm.ops.bitmask import apply_token_bitmask_ref, apply_token_bitmask_triton  # noqa: E402
 from tinyvllm.ops.cascade_attention import cascade_attention_triton  # noqa: E402
 from tinyvllm.ops.decode_inputs import unpack_decode_inputs_ref, unpack_decode_inputs_triton  # noqa: E402
 from tinyvllm.ops.embedding import embedding_ref, embedding_triton  # noqa: E402
@@ -174,6 +175,19 @@ def test_embedding(dtype: torch.dtype, tokens: int) -> None:
     ids = torch.randint(0, VOCAB, (tokens,), device=DEVICE)
     assert_close(f"embedding T={tokens} {short(dtype)}", poisoned(embedding_triton, ids, weight),
                  embedding_ref(ids, weight.float()), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 64, 256])
+def test_apply_token_bitmask(dtype: torch.dtype, rows: int) -> None:
+    """Structured output's mask on a batch's logits (128,256-token vocabulary), half of the rows constrained: exactly
+    the reference (it only writes -inf)."""
+    logits = torch.randn(rows, VOCAB, device=DEVICE).to(dtype)
+    constrained = torch.arange(0, rows, 2, device=DEVICE)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (len(constrained), (VOCAB + 31) // 32), dtype=torch.int32,
+                            device=DEVICE)
+    expected = apply_token_bitmask_ref(logits.clone(), bitmask, constrained)
+    assert torch.equal(apply_token_bitmask_triton(logits.clone(), bitmask, constrained), expected)
 
 
 def norm_inputs(tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
