@@ -113,3 +113,22 @@ def test_one_token_prompt(checkpoint: str) -> None:
     (output,) = tiny_llm(checkpoint, num_kv_blocks=8, block_size=16).generate(
         [[5]], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2), use_tqdm=False)
     assert output.prompt_logprobs == [None]
+
+
+def test_a_prompt_that_fills_the_context_is_scored(checkpoint: str, reference) -> None:
+    """An echo with max_tokens 0 (the server's scoring request) may fill the whole context: the one token drawn after
+    it is dropped, never stored. A generating request of the same prompt is refused."""
+    from tinyvllm.engine.input_processor import InputError
+
+    engine = tiny_llm(checkpoint, num_kv_blocks=16, block_size=16, max_model_len=48).llm_engine
+    prompt = _prompt(30, 48)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    with pytest.raises(InputError, match="no room to generate"):
+        engine.input_processor.process(prompt, params)
+    engine.add_processed_request("scored", engine.input_processor.process(prompt, params, scoring=True))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    (output,) = [o for o in outputs if o.finished]
+    assert output.outputs[0].finish_reason == "length"
+    _check(prompt, output.prompt_logprobs, reference(prompt), top=1)

@@ -117,5 +117,8 @@ def test_constraints_that_do_not_compile_are_refused(llm: LLM) -> None:
         assert caught.value.param == "structured_outputs"
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="min_tokens cannot be used with structured_outputs"):
+        SamplingParams(min_tokens=4, structured_outputs=_constrained(choice=["yes", "no"]))  # (it could force a token
+        # the grammar forbids: at its end it allows only EOS, which min_tokens masks)
     (ok,) = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)  # (still serving)
     assert len(ok.outputs[0].token_ids) == 3

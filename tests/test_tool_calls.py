@@ -8,10 +8,11 @@ import json
 from tinyvllm.entrypoints.openai.tool_calls import ToolMode, calls_of
 
 AUTO = ToolMode("auto")
+NAMES = {"get_weather", "get_time", "f", "a", "b", "run_sql"}
 
 
 def _calls(text: str, mode: ToolMode = AUTO) -> tuple[str | None, list[tuple[str, dict]]]:
-    content, calls = calls_of(mode, text)
+    content, calls = calls_of(mode, text, NAMES)
     return content, [(c.function.name, json.loads(c.function.arguments)) for c in calls]
 
 
@@ -21,6 +22,7 @@ def test_hermes_tags() -> None:
     assert _calls(text) == ("Let me check.", [("get_weather", {"city": "Paris"}), ("get_time", {"timezone": "CET"})])
     assert _calls('<tool_call>{"name": "f", "arguments": {}}') == (None, [("f", {})])  # (cut before the tag closed)
     assert _calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    assert _calls('<tool_call>{"name": "nope", "arguments": {}}</tool_call>')[1] == []
 
 
 def test_llama3_json() -> None:
@@ -29,6 +31,10 @@ def test_llama3_json() -> None:
     assert _calls('<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}') == (
         None, [("a", {}), ("b", {"x": 1})])
     assert _calls('{"not": "a call"}') == ('{"not": "a call"}', [])
+    # (an answer in JSON that names no tool is an answer; a ";" inside the arguments is theirs)
+    assert _calls('{"name": "Alice", "age": 30}') == ('{"name": "Alice", "age": 30}', [])
+    assert _calls('{"name": "run_sql", "parameters": {"q": "SELECT 1; SELECT 2"}}') == (
+        None, [("run_sql", {"q": "SELECT 1; SELECT 2"})])
     assert _calls("The weather is fine.") == ("The weather is fine.", [])
 
 

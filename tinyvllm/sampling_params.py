@@ -131,6 +131,9 @@ class SamplingParams:
                 f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         require(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                 "structured_outputs must be a StructuredOutputsParams")
+        require(self.structured_outputs is None or self.min_tokens == 0,
+                "min_tokens cannot be used with structured_outputs: the grammar decides where the answer ends (and "
+                "may allow nothing but its end); remove min_tokens")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         require(stops is None or isinstance(stops, (list, tuple)), "stop must be a string or a list of strings")
         stops = list(stops or [])

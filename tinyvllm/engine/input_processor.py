@@ -135,9 +135,12 @@ class InputProcessor:
                                    chat_template, tools)
 
     # ---- whole requests ---------------------------------------------------------------------------
-    def process(self, prompt: PromptType, params: SamplingParams, decode_prompt: bool = True) -> ProcessedInput:
+    def process(self, prompt: PromptType, params: SamplingParams, decode_prompt: bool = True,
+                scoring: bool = False) -> ProcessedInput:
         """Everything a request needs checked before the engine takes it; raises InputError. decode_prompt:
-        give a prompt of token ids its text too (as RequestOutput.prompt), when there is a tokenizer."""
+        give a prompt of token ids its text too (as RequestOutput.prompt), when there is a tokenizer. scoring: the
+        request keeps no token it draws (an echo of the prompt alone, to score it), so the prompt may fill the
+        whole context."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
         if params.n > self.max_n:
@@ -156,7 +159,7 @@ class InputProcessor:
                 check_structured_outputs(params.structured_outputs)
             except ValueError as e:
                 raise InputError(str(e), "structured_outputs") from None
-        max_tokens = self.check_length(len(token_ids), params.max_tokens)
+        max_tokens = self.check_length(len(token_ids), params.max_tokens, scoring)
         if params.min_tokens > max_tokens:
             raise InputError(f"min_tokens is {params.min_tokens}, but the prompt's {len(token_ids)} tokens leave room "
                              f"for {max_tokens} within the model's context of {self.max_model_len}: lower min_tokens",
@@ -168,10 +171,12 @@ class InputProcessor:
             text = self.tokenizer.decode(token_ids)
         return ProcessedInput(text, token_ids, params)
 
-    def check_length(self, prompt_len: int, max_tokens: int | None) -> int:
+    def check_length(self, prompt_len: int, max_tokens: int | None, scoring: bool = False) -> int:
         """max_tokens (the rest of the context when None), if prompt and completion fit the context and
-        the KV cache."""
+        the KV cache (scoring: the one token drawn after a prompt that fills the context is dropped, not stored)."""
         limit = self.max_model_len
+        if scoring and prompt_len == limit and max_tokens == 1:
+            limit += 1
         if prompt_len >= limit:
             raise InputError(f"the prompt has {prompt_len} tokens, which leaves no room to generate within the "
                              f"model's context of {limit} tokens: shorten the prompt", "prompt")

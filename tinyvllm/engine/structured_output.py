@@ -70,11 +70,14 @@ class SequenceGrammar:
     @property
     def failed(self) -> BaseException | None:
         """Why the grammar did not compile, once that is known."""
-        return self.compiled.exception() if self.compiled.done() else None
+        if not self.compiled.done() or self.compiled.cancelled():  # (cancelled: the engine is shutting down)
+            return None
+        return self.compiled.exception()
 
     def ready(self) -> bool:
         """Whether it compiled (its matcher is made now, the first time)."""
-        if self.matcher is None and self.compiled.done() and self.compiled.exception() is None:
+        if self.matcher is None and self.compiled.done() and not self.compiled.cancelled() \
+                and self.compiled.exception() is None:
             self.matcher = _xgrammar().GrammarMatcher(self.compiled.result())
         return self.matcher is not None
 

@@ -12,12 +12,13 @@ from tinyvllm.config import ModelConfig
 from tinyvllm.distributed import TensorParallel
 from tinyvllm.model.layers import RMSNorm
 from tinyvllm.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from tinyvllm.model.qwen2 import sliding_window_of
 from tinyvllm.ops import AttentionMetadata
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
-        super().__init__(config, tp)
+    def __init__(self, config: ModelConfig, tp: TensorParallel, sliding_window: int | None = None) -> None:
+        super().__init__(config, tp, sliding_window=sliding_window)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
@@ -33,7 +34,7 @@ class Qwen3Attention(LlamaAttention):
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
     def attention(self, config: ModelConfig, tp: TensorParallel, index: int) -> nn.Module:
-        return Qwen3Attention(config, tp)
+        return Qwen3Attention(config, tp, sliding_window_of(config, index))  # (Qwen2's rule, which Qwen3 keeps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 cos_sin: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

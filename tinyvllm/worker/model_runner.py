@@ -26,7 +26,7 @@ from tinyvllm.ops.cascade_attention import common_prefix_len, use_cascade_attent
 from tinyvllm.worker.cuda_graphs import CudaGraphs, PiecewiseCudaGraphs, size_ladder
 from tinyvllm.worker.input_batch import LOGPROBS, MIN_TOKENS, PENALTIES, STRUCTURED, InputBatch
 from tinyvllm.worker.kv_cache import allocate_kv_cache, decide_num_blocks
-from tinyvllm.worker.prompt_logprobs import PromptScoring, find_prompt_scoring, score
+from tinyvllm.worker.prompt_logprobs import PromptScoring, find_prompt_scoring, score, to_host
 from tinyvllm.worker.sampler import AsyncModelRunnerOutput, Sampler, SamplingTensors, step_seeds
 from tinyvllm.worker.staging import Staging, broadcast_step, broadcast_stop, receive_step, views
 
@@ -432,8 +432,10 @@ class ModelRunner:
                                             None, timer)
         if inputs.scoring is not None:
             rows, targets = inputs.scoring_tensors
-            output.prompt_scores = (inputs.scoring, score(self.model.compute_logits, executed.hidden[rows], targets,
-                                                          inputs.scoring.max_top_k, self.model_config.vocab_size))
+            scores = score(self.model.compute_logits, executed.hidden[rows], targets, inputs.scoring.max_top_k,
+                           self.model_config.vocab_size)
+            assert scores is not None, "rank 0 gathers the logits"
+            output.prompt_scores = (inputs.scoring, to_host(scores))
         self._last_output = output
         return output
 

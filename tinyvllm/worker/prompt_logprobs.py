@@ -105,9 +105,26 @@ def _count_greater(logp: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     return counts[0] if len(counts) == 1 else torch.cat(counts)
 
 
-def to_chunks(scoring: PromptScoring, scores: tuple[torch.Tensor, ...]) -> dict[int, PromptLogprobsChunk]:
-    """The scores on the host, by sequence, each cut to its own top k (waits for the device)."""
-    ids, logprobs, ranks = (t.cpu().numpy() for t in scores)
+HostScores = tuple[tuple[torch.Tensor, ...], "torch.cuda.Event | None"]
+
+
+def to_host(scores: tuple[torch.Tensor, ...]) -> HostScores:
+    """The scores' copy to the host, queued behind the step (pinned memory, and an event to wait on): reading them
+    then holds up nothing launched after this step (async scheduling), as the sampled tokens' copy does."""
+    if not scores[0].is_cuda:
+        return scores, None
+    host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in scores)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+def to_chunks(scoring: PromptScoring, scores: HostScores) -> dict[int, PromptLogprobsChunk]:
+    """The scores (to_host's) by sequence, each cut to its own top k (waits for their copy)."""
+    host, event = scores
+    if event is not None:
+        event.synchronize()
+    ids, logprobs, ranks = (t.numpy() for t in host)
     chunks, offset = {}, 0
     for seq_id, first, count, top_k in zip(scoring.seq_ids, scoring.firsts, scoring.counts, scoring.top_ks):
         part = slice(offset, offset + count)

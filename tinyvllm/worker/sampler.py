@@ -17,7 +17,7 @@ from tinyvllm import ops
 from tinyvllm.contract import GrammarOutput, ModelRunnerOutput
 from tinyvllm.outputs import Logprob
 from tinyvllm.worker.input_batch import InputBatch
-from tinyvllm.worker.prompt_logprobs import PromptScoring, to_chunks
+from tinyvllm.worker.prompt_logprobs import HostScores, PromptScoring, to_chunks
 
 _MASK64 = (1 << 63) - 1
 # Up to this many all-greedy rows (the default max_num_seqs), our sampling kernel's argmax (split over the
@@ -111,7 +111,7 @@ class AsyncModelRunnerOutput:
         self._host, self._event, self._raw_logprobs = host, event, raw_logprobs
         self._num_logprobs, self._on_ready, self._timer = num_logprobs, on_ready, timer
         # The step's prompt logprobs on the device (prompt_logprobs.score), set by the runner after sampling
-        self.prompt_scores: tuple[PromptScoring, tuple[torch.Tensor, ...] | None] | None = None
+        self.prompt_scores: tuple[PromptScoring, HostScores] | None = None
 
     def places(self, rows: np.ndarray) -> np.ndarray:
         """Where in token_ids the tokens of these input batch rows are (rows whose token this step sampled and
@@ -139,9 +139,7 @@ class AsyncModelRunnerOutput:
             start, end = self._timer
             end.synchronize()
             gpu_ms = start.elapsed_time(end)
-        prompt_logprobs = {}
-        if self.prompt_scores is not None and self.prompt_scores[1] is not None:
-            prompt_logprobs = to_chunks(*self.prompt_scores)
+        prompt_logprobs = to_chunks(*self.prompt_scores) if self.prompt_scores is not None else {}
         return ModelRunnerOutput(self.seq_ids, token_ids, logprobs, gpu_ms, prompt_logprobs)
 
 

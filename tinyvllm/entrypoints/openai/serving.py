@@ -182,16 +182,16 @@ class OpenAIServing:
                 self.inputs.check_text_length(p)
         return [self.inputs.tokenize(p)[1] for p in prompt]
 
-    def process(self, token_ids: list[int], params: SamplingParams, body: SamplingFields | None = None
-                ) -> ProcessedInput:
-        """The input processor's checks; a constraint on the output that does not compile is the fault of the
-        field that gave it."""
+    def process(self, token_ids: list[int], params: SamplingParams, body: SamplingFields | None = None,
+                scoring: bool = False) -> ProcessedInput:
+        """The input processor's checks (scoring: InputProcessor.process's); a constraint on the output that does
+        not compile is the fault of the field that gave it."""
         try:
-            return self.inputs.process(token_ids, params, decode_prompt=False)
+            return self.inputs.process(token_ids, params, decode_prompt=False, scoring=scoring)
         except InputError as e:
             if e.param == "structured_outputs" and body is not None:
-                field = next((f for f in ("response_format", "structured_outputs", *_GUIDED)
-                              if getattr(body, f) is not None), e.param)
+                field = next((f for f in ("response_format", "structured_outputs", *_GUIDED, "tools")
+                              if getattr(body, f, None) is not None), e.param)
                 raise InputError(re.sub(r"^structured_outputs\.\w+", field, str(e)), field) from None
             raise
 

@@ -40,7 +40,14 @@ from tinyvllm.entrypoints.openai.serving import (
     token_text,
     usage_info,
 )
-from tinyvllm.entrypoints.openai.tool_calls import ToolMode, calls_of, template_tools, tool_constraint, tool_mode
+from tinyvllm.entrypoints.openai.tool_calls import (
+    ToolMode,
+    calls_of,
+    template_tools,
+    tool_constraint,
+    tool_mode,
+    tool_names,
+)
 from tinyvllm.outputs import Logprob
 from tinyvllm.sampling_params import MAX_LOGPROBS
 
@@ -106,7 +113,8 @@ class OpenAIServingChat(OpenAIServing):
             options = body.stream_options
             return EventStream(self._stream_chat(stream, request_id, body.n, prepared.prompt_tokens, tracker,
                                                  top_logprobs, bool(options and options.include_usage),
-                                                 bool(options and options.continuous_usage_stats), mode),
+                                                 bool(options and options.continuous_usage_stats), mode,
+                                                 tool_names(body)),
                                stream, tracker)
         choices = {(request_id, k): Choice() for k in range(body.n)}
         cached = await self.collect(stream, raw_request, tracker, choices)
@@ -115,7 +123,7 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if top_logprobs is not None:
                 logprobs = ChatChoiceLogprobs(content=chat_logprobs(choice.token_ids, choice.logprobs, top_logprobs))
-            content, calls = calls_of(mode, "".join(choice.text))
+            content, calls = calls_of(mode, "".join(choice.text), tool_names(body))
             message = ChatResponseMessage(content=content, tool_calls=calls or None)
             result.append(ChatCompletionChoice(index=index, message=message, logprobs=logprobs,
                                                finish_reason=_finish(mode, calls, choice.finish_reason),
@@ -131,7 +139,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream_chat(self, stream: RequestStream, request_id: str, n: int, prompt_tokens: int,
                            tracker: RequestTracker, top_logprobs: int | None, include_usage: bool,
-                           continuous_usage: bool, mode: ToolMode) -> AsyncIterator[str]:
+                           continuous_usage: bool, mode: ToolMode, names: set[str]) -> AsyncIterator[str]:
         """The chunks: each completion's text deltas as they come. A named tool call streams as OpenAI's do: its
         name first, then its arguments as they come; calls that must be read from the whole answer ("required",
         "auto") come with its last chunk, whole, or its text if it holds none."""
@@ -163,7 +171,7 @@ class OpenAIServingChat(OpenAIServing):
                     kept.logprobs += completion.logprobs or []
                     if finish is None:
                         continue
-                    content, calls = calls_of(mode, "".join(kept.text))
+                    content, calls = calls_of(mode, "".join(kept.text), names)
                     delta = DeltaMessage(content=content, tool_calls=[
                         DeltaToolCall(index=i, id=call.id, type="function", function=DeltaFunctionCall(
                             name=call.function.name, arguments=call.function.arguments))

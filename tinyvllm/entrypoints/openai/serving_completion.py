@@ -67,7 +67,8 @@ class OpenAIServingCompletion(OpenAIServing):
         # (max_tokens 0: the engine draws one token, which the answer leaves out)
         params = self.sampling_params(body, 1 if body.max_tokens == 0 else body.max_tokens, body.logprobs,
                                       prompt_logprobs)
-        requests = [(f"{request_id}-{i}", self.process(ids, params, body)) for i, ids in enumerate(prompts)]
+        requests = [(f"{request_id}-{i}", self.process(ids, params, body, scoring=body.max_tokens == 0))
+                    for i, ids in enumerate(prompts)]
         prepared = Prepared(body, request_id, requests, sum(len(p) for p in prompts), body.logprobs)
         if body.echo:
             texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt

@@ -75,52 +75,64 @@ def template_tools(body: ChatCompletionRequest, mode: ToolMode) -> list[dict[str
     return [tool.model_dump(exclude_none=True) for tool in body.tools]
 
 
-def _call(name: Any, arguments: Any) -> ToolCall | None:
-    if not isinstance(name, str):
+def _call(name: Any, arguments: Any, names: set[str]) -> ToolCall | None:
+    """A call to one of the tools (`names`), or None: a JSON object whose "name" is no tool is an answer."""
+    if not isinstance(name, str) or name not in names:
         return None
     text = arguments if isinstance(arguments, str) else json.dumps(arguments if arguments is not None else {})
     return ToolCall(function=FunctionCall(name=name, arguments=text))
 
 
-def calls_of(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]]:
+def _json_objects(text: str) -> list[Any] | None:
+    """The JSON values of `text`, separated by whitespace or ";" (Llama 3's several calls), or None if it holds
+    anything else."""
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while True:
+        while at < len(text) and (text[at].isspace() or text[at] == ";"):
+            at += 1
+        if at == len(text):
+            return values
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return None
+        values.append(value)
+
+
+def calls_of(mode: ToolMode, text: str, names: set[str] | None = None) -> tuple[str | None, list[ToolCall]]:
     """The answer's text and tool calls: (content, calls). A named call is the whole text (its arguments); a
-    required one a JSON list of {"name", "parameters"}; an automatic one whatever calls the text holds, the rest
-    its content."""
+    required one a JSON list of {"name", "parameters"}; an automatic one the calls to the tools (`names`) that the
+    text holds, the rest its content (an answer that names no tool is all content)."""
+    names = names or set()
     if mode.kind == "named":
         return None, [ToolCall(function=FunctionCall(name=mode.name, arguments=text))]
     if mode.kind == "required":
-        try:
-            items = json.loads(text)
-        except ValueError:
+        items = _json_objects(text)
+        if not items or not isinstance(items[0], list):
             return text, []  # (cut short by max_tokens)
-        calls = [_call(item.get("name"), item.get("parameters")) for item in items if isinstance(item, dict)]
+        calls = [_call(item.get("name"), item.get("parameters"), names) for item in items[0] if isinstance(item, dict)]
         return None, [c for c in calls if c is not None]
     if mode.kind != "auto":
         return text, []
     if "<tool_call>" in text:
         calls = []
         for match in _HERMES.finditer(text):
-            try:
-                item = json.loads(match.group(1))
-            except ValueError:
-                continue
-            if isinstance(item, dict) and (call := _call(item.get("name"), item.get("arguments"))) is not None:
+            items = _json_objects(match.group(1))
+            item = items[0] if items and len(items) == 1 else None
+            if isinstance(item, dict) and (call := _call(item.get("name"), item.get("arguments"), names)):
                 calls.append(call)
         if not calls:
             return text, []
         return _HERMES.sub("", text).strip() or None, calls
-    stripped = text.strip().removeprefix(_PYTHON_TAG).strip()
-    if stripped.startswith("{"):
-        calls = []
-        for part in stripped.split(";"):
-            try:
-                item = json.loads(part)
-            except ValueError:
-                return text, []
-            call = _call(item.get("name"), item.get("parameters", item.get("arguments"))) if isinstance(
-                item, dict) else None
-            if call is None:
-                return text, []
-            calls.append(call)
-        return None, calls
-    return text, []
+    items = _json_objects(text.strip().removeprefix(_PYTHON_TAG))
+    if not items or not all(isinstance(item, dict) for item in items):
+        return text, []
+    calls = [_call(item.get("name"), item.get("parameters", item.get("arguments")), names) for item in items]
+    if any(call is None for call in calls):
+        return text, []
+    return None, [call for call in calls if call is not None]
+
+
+def tool_names(body: ChatCompletionRequest) -> set[str]:
+    """The names a call may have."""
+    return {tool.function.name for tool in body.tools or []}
