@@ -33,9 +33,12 @@ for part in "${parts[@]}"; do
         products-256) command=("$python" benchmarks/bench_gemv.py --sweep --batches 128,256) ;;
         sampling) command=("$python" benchmarks/bench_sampling.py) ;;
         tests-sampling) command=("$python" -m pytest -q -m cuda -p no:cacheprovider tests/gpu -k sample) ;;
+        prompt-logprobs) command=("$python" benchmarks/prompt_logprobs.py) ;;
+        tests-new) command=("$python" -m pytest -q -m cuda -p no:cacheprovider tests/gpu
+                            -k "window or softcap or bitmask or prompt_logprobs") ;;
         *) echo "unknown part: $part (tests, latency, throughput, shared-prefix, serve, serve-floor," \
                 "throughput-fp8, tests-fp8, kernels-fp8, sweep-fp8, products-256," \
-                "sampling, tests-sampling)" >&2
+                "sampling, tests-sampling, prompt-logprobs, tests-new)" >&2
            exit 2 ;;
     esac
     part_limit=$limit

@@ -245,6 +245,16 @@ def parse_body(raw: bytes, model: type[BodyT]) -> BodyT:
         raise APIError(400, message, param) from e
 
 
+def _slow_to_prepare(body: Any) -> bool:
+    """Whether a request's checks may take long, whatever its size, and so go to the input thread: its own chat
+    template renders there (up to its time limit), and a constraint on its output builds a grammar (xgrammar is
+    imported at the first)."""
+    fmt = getattr(body, "response_format", None) or {}
+    return (getattr(body, "chat_template", None) is not None or fmt.get("type", "text") != "text"
+            or any(getattr(body, name, None) is not None for name in (
+                "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "tools")))
+
+
 def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None, *, max_body_mb: float,
               access_log: bool = True, trust_request_chat_template: bool = False, ui: bool = True) -> FastAPI:
     """The FastAPI app (with the chat page at / if `ui`). Its lifespan starts reading the engine core's outputs and
@@ -285,11 +295,10 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         if len(raw) <= INLINE_BODY_BYTES and handling.acquire(blocking=False):
             try:
                 body = parse_body(raw, model)
-                if getattr(body, "chat_template", None) is None:
+                if not _slow_to_prepare(body):
                     return handle(body)
             finally:
                 handling.release()
-            # (a request's own chat template renders on the input thread: it may take up to its time limit)
 
         def job() -> T:
             with handling:
