@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from tests.utils import USER_SCHEMA
+
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -358,22 +360,6 @@ def test_echo_and_prompt_logprobs(live):
     assert info["eos_token"] == "<|im_end|>" and "im_start" in info["chat_template"]
 
 
-STRUCTURED_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 20},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"], "additionalProperties": False},
-    },
-    "required": ["name", "age", "role", "tags", "address"],
-    "additionalProperties": False,
-}
-
-
 def test_structured_output_through_the_openai_client(live):
     """20 chat requests at once with a JSON schema (nested object, enum, array, required fields) at temperature 0.8
     all return JSON that validates; a regex and a choice (vLLM's extra fields) hold on /v1/completions; JSON mode
@@ -382,7 +368,7 @@ def test_structured_output_through_the_openai_client(live):
 
     jsonschema = pytest.importorskip("jsonschema")
     client = live.client()
-    fmt = {"type": "json_schema", "json_schema": {"name": "user", "schema": STRUCTURED_SCHEMA}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "user", "schema": USER_SCHEMA}}
 
     def ask(seed: int) -> Any:
         return client.chat.completions.create(
@@ -393,7 +379,7 @@ def test_structured_output_through_the_openai_client(live):
         answers = list(pool.map(ask, range(20)))
     for answer in answers:
         assert answer.choices[0].finish_reason == "stop", answer
-        jsonschema.validate(json.loads(answer.choices[0].message.content), STRUCTURED_SCHEMA)
+        jsonschema.validate(json.loads(answer.choices[0].message.content), USER_SCHEMA)
 
     regex = r"[A-Z][a-z]{2,8} is [0-9]{1,2} years old\."
     for seed in range(3):

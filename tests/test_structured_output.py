@@ -11,6 +11,7 @@ import re
 
 import pytest
 
+from tests.utils import USER_SCHEMA as SCHEMA
 from tinyvllm import LLM, SamplingParams, StructuredOutputsParams
 from tinyvllm.engine.input_processor import InputError
 
@@ -19,20 +20,6 @@ jsonschema = pytest.importorskip("jsonschema")
 
 pytestmark = pytest.mark.slow
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 20},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"], "additionalProperties": False},
-    },
-    "required": ["name", "age", "role", "tags", "address"],
-    "additionalProperties": False,
-}
 PROMPT = "Describe a user of a web service as a JSON object."
 
 

@@ -35,6 +35,24 @@ def save_tiny_llama(path: str, seed: int = 0, max_shard_size: str | None = None,
     return path
 
 
+# A JSON schema the structured-output tests hold answers to: a nested object, an enum, an array, a pattern, required
+# fields.
+USER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "role", "tags", "address"],
+    "additionalProperties": False,
+}
+
+
 # The marks of every test in tests/gpu: run by `pytest -m cuda` on a GPU machine, skipped elsewhere, and
 # meaningless under the Triton interpreter.
 CUDA_ONLY = [
