@@ -102,7 +102,7 @@ def test_several_completions_and_sample_logprobs(checkpoint: str, reference) -> 
     assert all(len(c.logprobs) == 3 for c in output.outputs)
 
 
-def test_one_token_prompt_and_bounds() -> None:
+def test_prompt_logprobs_bounds() -> None:
     assert SamplingParams(prompt_logprobs=MAX_LOGPROBS).prompt_logprobs == MAX_LOGPROBS
     for bad in (-1, MAX_LOGPROBS + 1, 1.5, True):
         with pytest.raises(ValueError, match="prompt_logprobs"):

@@ -49,7 +49,13 @@ from tinyvllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from tinyvllm.entrypoints.openai.serving import APIError, ClientGone, OpenAIServing, error_response
+from tinyvllm.entrypoints.openai.serving import (
+    APIError,
+    ClientGone,
+    OpenAIServing,
+    constraint_fields,
+    error_response,
+)
 from tinyvllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from tinyvllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tinyvllm.heap import frozen_heap
@@ -249,10 +255,7 @@ def _slow_to_prepare(body: Any) -> bool:
     """Whether a request's checks may take long, whatever its size, and so go to the input thread: its own chat
     template renders there (up to its time limit), and a constraint on its output builds a grammar (xgrammar is
     imported at the first)."""
-    fmt = getattr(body, "response_format", None) or {}
-    return (getattr(body, "chat_template", None) is not None or fmt.get("type", "text") != "text"
-            or any(getattr(body, name, None) is not None for name in (
-                "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "tools")))
+    return getattr(body, "chat_template", None) is not None or bool(constraint_fields(body))
 
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None, *, max_body_mb: float,

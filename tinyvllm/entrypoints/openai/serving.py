@@ -190,8 +190,7 @@ class OpenAIServing:
             return self.inputs.process(token_ids, params, decode_prompt=False, scoring=scoring)
         except InputError as e:
             if e.param == "structured_outputs" and body is not None:
-                field = next((f for f in ("response_format", "structured_outputs", *_GUIDED, "tools")
-                              if getattr(body, f, None) is not None), e.param)
+                field = next(iter(constraint_fields(body)), e.param)
                 raise InputError(re.sub(r"^structured_outputs\.\w+", field, str(e)), field) from None
             raise
 
@@ -341,13 +340,20 @@ def token_text(token_id: int, logprob: Logprob) -> str:
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
+def constraint_fields(body: Any) -> list[str]:
+    """The request's fields that constrain its output: response_format (OpenAI's json_object and json_schema, not
+    plain text), structured_outputs (vLLM's) or a guided_* field (vLLM's older spellings), and (chat) tools, whose
+    named or required tool_choice is held to a schema."""
+    fmt = getattr(body, "response_format", None)
+    given = [name for name in ("structured_outputs", *_GUIDED, "tools") if getattr(body, name, None) is not None]
+    return (["response_format"] if fmt is not None and fmt.get("type", "text") != "text" else []) + given
+
+
 def structured_outputs_of(body: SamplingFields) -> StructuredOutputsParams | None:
-    """The request's constraint on its output, from whichever one field gives it: response_format (OpenAI's
-    json_object and json_schema), structured_outputs (vLLM's) or a guided_* field (vLLM's older spellings)."""
-    given = [name for name in ("response_format", "structured_outputs", *_GUIDED) if getattr(body, name) is not None]
+    """The request's own constraint on its output, from whichever one field gives it (constraint_fields, tools
+    aside: tool_calls.py holds calls to theirs)."""
+    given = [name for name in constraint_fields(body) if name != "tools"]
     fmt = body.response_format
-    if fmt is not None and fmt.get("type", "text") == "text":
-        given.remove("response_format")  # (plain text: no constraint)
     if not given:
         return None
     if len(given) > 1:
