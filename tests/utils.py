@@ -117,9 +117,9 @@ def model_logits(model: Any, token_ids: list[int], block_size: int = 16, attenti
 @torch.inference_mode()
 def hf_greedy(model: Any, prompt: list[int], num_tokens: int) -> list[int]:
     """Greedy continuation by full forward passes (no cache, no EOS handling): the plainest reference."""
-    ids = list(prompt)
+    ids, device = list(prompt), next(model.parameters()).device
     for _ in range(num_tokens):
-        logits = model(torch.tensor([ids])).logits[0, -1]
+        logits = model(torch.tensor([ids], device=device)).logits[0, -1]
         ids.append(int(logits.argmax()))
     return ids[len(prompt):]
 
