@@ -1,9 +1,11 @@
 """The engine's non-matmul ops, and decode-sized matrix products with the ops around them fused (fused_linear.py,
-gemv.py; linear.py holds the tiling and split-K rules they share). Each op has a plain-PyTorch reference (`*_ref`)
-and, where Triton is available, a Triton kernel (`*_triton`) with the same signature. The names exported here pick
-the Triton kernel for CUDA tensors and the reference otherwise; the test hook TINYVLLM_REFERENCE_OPS=1 forces the
-references everywhere (to check the kernels against them on a GPU). use_decode_kernel says when the model runs a
-product on the fused kernels instead of cuBLAS. kv_pool allocates a layer's K or V pool, head-major."""
+gemv.py; linear.py holds the tiling and split-K rules they share; fp8.py: products of float8 weights with a scale
+per output channel, fp8_linear at any size, the decode kernels through their weight_scale). Each op has a
+plain-PyTorch reference (`*_ref`) and, where Triton is available, a Triton kernel (`*_triton`) with the same
+signature. The names exported here pick the Triton kernel for CUDA tensors and the reference otherwise; the test hook
+TINYVLLM_REFERENCE_OPS=1 forces the references everywhere (to check the kernels against them on a GPU).
+use_decode_kernel says when the model runs a product on the fused kernels instead of cuBLAS. kv_pool allocates a
+layer's K or V pool, head-major."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from tinyvllm.ops.bitmask import apply_token_bitmask_ref
 from tinyvllm.ops.cascade_attention import cascade_attention_ref, window_allows_cascade
 from tinyvllm.ops.decode_inputs import unpack_decode_inputs_ref
 from tinyvllm.ops.embedding import embedding_ref
+from tinyvllm.ops.fp8 import fp8_linear_ref, per_channel_scale, quantize_fp8_per_token, quantize_fp8_weight
 from tinyvllm.ops.fused_linear import fused_linear_ref, fused_norm_linear_ref, linear_argmax_ref
 from tinyvllm.ops.layernorm import RowNorm, fused_add_rms_norm_ref, rms_norm_ref
 from tinyvllm.ops.rotary import RopeStore, build_cos_sin_cache, rope_store_ref
@@ -31,6 +34,7 @@ __all__ = [
     "RowNorm",
     "build_cos_sin_cache",
     "embedding",
+    "fp8_linear",
     "fused_linear",
     "fused_norm_linear",
     "linear_argmax",
@@ -42,7 +46,10 @@ __all__ = [
     "rope_store",
     "silu_and_mul",
     "paged_attention",
+    "per_channel_scale",
     "kv_pool",
+    "quantize_fp8_per_token",
+    "quantize_fp8_weight",
     "sample",
     "triton_available",
     "unpack_decode_inputs",
@@ -82,11 +89,13 @@ def _triton_kernels() -> dict[str, Callable[..., Any]]:
         return {}
     try:
         from tinyvllm.ops import triton_kernels
+        from tinyvllm.ops.fp8 import fp8_linear_cuda, quantize_fp8_per_token_triton
         from tinyvllm.ops.fused_linear import fused_linear_triton, fused_norm_linear_triton, linear_argmax_triton
     except ImportError:
         return {}
     return {**triton_kernels.KERNELS, "fused_linear": fused_linear_triton,
-            "fused_norm_linear": fused_norm_linear_triton, "linear_argmax": linear_argmax_triton}
+            "fused_norm_linear": fused_norm_linear_triton, "linear_argmax": linear_argmax_triton,
+            "fp8_linear": fp8_linear_cuda, "quantize_fp8_per_token": quantize_fp8_per_token_triton}
 
 
 _TRITON = _triton_kernels()
@@ -121,11 +130,13 @@ def use_decode_kernel(product: str, x: torch.Tensor) -> bool:
 
 apply_token_bitmask = _dispatch("apply_token_bitmask", apply_token_bitmask_ref)
 embedding = _dispatch("embedding", embedding_ref)
+fp8_linear = _dispatch("fp8_linear", fp8_linear_ref)
 fused_linear = _dispatch("fused_linear", fused_linear_ref)
 fused_norm_linear = _dispatch("fused_norm_linear", fused_norm_linear_ref)
 linear_argmax = _dispatch("linear_argmax", linear_argmax_ref)
 rms_norm = _dispatch("rms_norm", rms_norm_ref)
 fused_add_rms_norm = _dispatch("fused_add_rms_norm", fused_add_rms_norm_ref)
+quantize_fp8_per_token = _dispatch("quantize_fp8_per_token", quantize_fp8_per_token)
 rope_store = _dispatch("rope_store", rope_store_ref)
 silu_and_mul = _dispatch("silu_and_mul", silu_and_mul_ref)
 _plain_attention = _dispatch("paged_attention", paged_attention_ref)
