@@ -65,7 +65,7 @@ _CASCADE_PREFIX = dict(GROUP=4, BLOCK_M=64, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=
 
 def _gemv(block_n: int, block_k: int, norm: bool, silu: bool, rope: bool) -> dict:
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm, HAS_RESIDUAL=norm, SILU_MUL=silu, ROPE=rope, HALF=32,
-                EVEN_K=True, USE_PDL=True)
+                EVEN_K=True, W_SCALED=False, USE_PDL=True)
 
 
 CASES = [

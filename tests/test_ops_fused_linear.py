@@ -174,17 +174,17 @@ from tinyvllm.ops.fused_linear import _fused_linear_kernel
 
 ints = ["M", "N", "K", "stride_x", "stride_r", "stride_nr", "stride_y", "stride_w", "k_per_split"]
 pointers = ["y_ptr", "x_ptr", "w_ptr", "residual_ptr", "new_residual_ptr", "norm_weight_ptr", "partial_ptr",
-            "counter_ptr", "keys_ptr"]
+            "counter_ptr", "keys_ptr", "scale_ptr"]
 count = 0
 for dtype, block_m, block_n, split, k_contiguous, norm, silu, argmax in json.loads(sys.argv[1]):
     types = {name: "*" + dtype for name in pointers}
-    types.update(partial_ptr="*fp32", counter_ptr="*i32", keys_ptr="*i64")
+    types.update(partial_ptr="*fp32", counter_ptr="*i32", keys_ptr="*i64", scale_ptr="*fp32")
     if argmax:
         types["y_ptr"] = "*i64"
     signature = {**types, **{name: "i32" for name in ints}, "eps": "fp32"}
     constants = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, NORM_BLOCK=max(4096 // block_m, 16),
                      SPLIT_K=split, W_K_CONTIGUOUS=k_contiguous, NORM=norm, HAS_RESIDUAL=norm, SILU_MUL=silu,
-                     ARGMAX=argmax, PRECISION="ieee" if dtype == "fp32" else "tf32", USE_PDL=True)
+                     ARGMAX=argmax, W_SCALED=False, PRECISION="ieee" if dtype == "fp32" else "tf32", USE_PDL=True)
     signature.update({name: "constexpr" for name in constants})
     names = list(signature)
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers + ints[1:]}  # as the JIT sees them

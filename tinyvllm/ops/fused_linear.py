@@ -12,6 +12,12 @@ fused into the same launch:
   and the last program to arrive unpacks them into token ids: no logits are written.
 - `fused_linear`: the plain product (o_proj, down_proj), as linear.py's kernel, with the early weight loads below.
 
+Each takes float8 weights too (fp8.py's layout): weight float8_e4m3fn [N, K] and `weight_scale` float32 [N], the
+weight being weight * weight_scale[:, None]. The kernels then read the float8 bytes (half the bf16 path's), convert
+them exactly to x's dtype (or float32) for the products, keep x as it is, and multiply each output column's float32
+sum by its scale (a factor of the whole K sum) before the epilogue: before SiLU·mul (gate and up columns each by
+their own), the argmax's comparison and the rotary embedding.
+
 Up to gemv.GEMV_MAX_ROWS rows of an output-major weight, the same entry points launch gemv.py's GEMV instead (one
 program per few whole rows of W, every weight loaded before the PDL wait): at batch 1 it is faster than both
 cuBLAS and this tiled kernel (benchmarks/RESULTS.md).
@@ -36,6 +42,7 @@ except ImportError:  # the CPU engine imports the references on machines without
     triton = None
 
 from tinyvllm.ops.activation import silu_and_mul_ref
+from tinyvllm.ops.fp8 import FP8_DTYPE, dequantize_fp8_weight
 from tinyvllm.ops.gemv import GEMV_MAX_ROWS, GemvConfig, launch_gemv
 from tinyvllm.ops.layernorm import _launch_rms_norm, fused_add_rms_norm_ref, rms_norm_ref
 from tinyvllm.ops.linear import SkinnyConfig, _counters, _num_sms, _weight_layout, skinny_matmul_config
@@ -49,32 +56,42 @@ _NORM_ELEMENTS = 4096  # elements of x per step of the prologue's sum of squares
 # ------------------------------------------------------------------------------------------------- references
 
 
-def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, silu_and_mul: bool = False) -> torch.Tensor:
+def _float_weight(weight: torch.Tensor, weight_scale: torch.Tensor | None) -> torch.Tensor:
+    """The weight the references multiply by, in float32: weight, or float8 weight times its per-channel scale."""
+    return weight.float() if weight_scale is None else dequantize_fp8_weight(weight, weight_scale)
+
+
+def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, silu_and_mul: bool = False, *,
+                     weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight^T (weight [N, K]) in float32, rounded to x's dtype; silu_and_mul: then the MLP's gate,
-    silu(y[:, :N/2]) * y[:, N/2:]."""
-    y = F.linear(x.float(), weight.float()).to(x.dtype)
+    silu(y[:, :N/2]) * y[:, N/2:]. weight_scale [N] float32: weight is float8 e4m3 and the product's weight
+    weight * weight_scale[:, None] (fp8.py)."""
+    y = F.linear(x.float(), _float_weight(weight, weight_scale)).to(x.dtype)
     return silu_and_mul_ref(y) if silu_and_mul else y
 
 
 def fused_norm_linear_ref(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    silu_and_mul: bool = False, rope: RopeStore | None = None,
+    silu_and_mul: bool = False, rope: RopeStore | None = None, *, weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(fused_linear(rms_norm(x + residual)), x + residual): the norm and the product as the model runs them one
     after the other, each rounded to x's dtype. Without a residual (the first layer) the stream is x itself. With
-    rope (qkv_proj): then rotary.rope_store_ref, which rotates q in the product and stores k and v in the cache."""
+    rope (qkv_proj): then rotary.rope_store_ref, which rotates q in the product and stores k and v in the cache.
+    weight_scale: a float8 weight, as fused_linear_ref takes it."""
     if residual is None:
         normed, new_residual = rms_norm_ref(x, norm_weight, eps), x
     else:
         normed, new_residual = fused_add_rms_norm_ref(x, residual, norm_weight, eps)
-    y = fused_linear_ref(normed, weight, silu_and_mul)
+    y = fused_linear_ref(normed, weight, silu_and_mul, weight_scale=weight_scale)
     return (y if rope is None else rope_store_ref(y, rope)), new_residual
 
 
-def linear_argmax_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_argmax_ref(x: torch.Tensor, weight: torch.Tensor, *,
+                      weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """argmax over the vocabulary of the logits x @ weight^T, computed in float32 and rounded to x's dtype (as the
-    logits the sampler reads): int64 [M], the lowest index on a tie."""
-    return torch.argmax(F.linear(x.float(), weight.float()).to(x.dtype), dim=-1)
+    logits the sampler reads): int64 [M], the lowest index on a tie. weight_scale: a float8 weight, as
+    fused_linear_ref takes it."""
+    return torch.argmax(F.linear(x.float(), _float_weight(weight, weight_scale)).to(x.dtype), dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------------- kernels
@@ -116,12 +133,23 @@ if triton is not None:
 
     @triton.jit
     def _multiply_add(acc, activation, w, GEMV: tl.constexpr, PRECISION: tl.constexpr):
-        """GEMV: acc[k, n] += w[k, n] * x[k] (activation [BLOCK_K, 1]); else acc += activation @ w."""
+        """GEMV: acc[k, n] += w[k, n] * x[k] (activation [BLOCK_K, 1]); else acc += activation @ w. (A float8 weight
+        becomes float32, or x's dtype for tl.dot: exact, e4m3's values are all bf16, fp16 and float32 values; the
+        weight in x's dtype is a no-op.)"""
         if GEMV:
             acc = acc + w.to(tl.float32) * activation.to(tl.float32)
         else:
-            acc = tl.dot(activation, w, acc, input_precision=PRECISION)
+            acc = tl.dot(activation, w.to(activation.dtype), acc, input_precision=PRECISION)
         return acc
+
+    @triton.jit
+    def _scale_columns(acc, acc_up, scale_ptr, offs_n, N, SILU_MUL: tl.constexpr):
+        """A float8 weight's per-channel scale on the sums: W[n, k] = w8[n, k] * scale[n], so column n's K sum is
+        scale[n] * sum_k x[k] w8[n, k]; the up columns' scales are those of W's rows N + n."""
+        acc = acc * tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
+        if SILU_MUL:
+            acc_up = acc_up * tl.load(scale_ptr + N + offs_n, mask=offs_n < N, other=0.0)[None, :]
+        return acc, acc_up
 
     @triton.jit
     def _store_product(y_ptr, acc, acc_up, rows, cols, M, N, stride_y, SILU_MUL: tl.constexpr):
@@ -169,13 +197,16 @@ if triton is not None:
     #             last (a counter per m tile) writes j of the final key to y[m] and resets keys and counter.
     #   SPLIT_K > 1: partials to partial[split, m, :], summed in split order by the tile's last program (linear.py's
     #             serial reduce), which then stores as SPLIT_K == 1 does.
+    #   W_SCALED: W is float8 with a float32 scale per row (output column): the sums are scaled before the epilogue
+    #             (by the tile's last program, with split K).
     @triton.jit(do_not_specialize=["M"])  # the batch varies per step: one compile for every M
     def _fused_linear_kernel(
         y_ptr, x_ptr, w_ptr, residual_ptr, new_residual_ptr, norm_weight_ptr, partial_ptr, counter_ptr, keys_ptr,
-        M, N, K, stride_x, stride_r, stride_nr, stride_y, stride_w, k_per_split, eps,
+        scale_ptr, M, N, K, stride_x, stride_r, stride_nr, stride_y, stride_w, k_per_split, eps,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
         SPLIT_K: tl.constexpr, W_K_CONTIGUOUS: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-        SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+        SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr, W_SCALED: tl.constexpr, PRECISION: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         GEMV: tl.constexpr = BLOCK_M == 1  # the CUDA-core path
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -222,6 +253,8 @@ if triton is not None:
                 acc_up = tl.sum(acc_up, axis=0)[None, :]
 
         out_rows, out_cols = offs_m[:, None], offs_n[None, :]
+        if W_SCALED and SPLIT_K == 1:
+            acc, acc_up = _scale_columns(acc, acc_up, scale_ptr, offs_n, N, SILU_MUL)
         if ARGMAX:  # (SPLIT_K == 1: the wrapper never splits the LM head)
             # (rounded to the model's dtype first, as cuBLAS writes the logits the sampler's argmax reads: the two
             # paths then pick the same token when the top two logits round to one value)
@@ -260,6 +293,8 @@ if triton is not None:
                     if SILU_MUL:
                         total_up += tl.load(partial_ptr + s * M * width + mn + N, mask=out_mask, other=0.0,
                                             cache_modifier=".cg")
+                if W_SCALED:
+                    total, total_up = _scale_columns(total, total_up, scale_ptr, offs_n, N, SILU_MUL)
                 _store_product(y_ptr, total, total_up, out_rows, out_cols, M, N, stride_y, SILU_MUL)
                 tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next launch
 
@@ -287,16 +322,21 @@ def _launch(
     x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu_and_mul: bool = False, argmax: bool = False,
     config: SkinnyConfig | GemvConfig | None = None, rope: RopeStore | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y, new residual or None) of one fused product. y: [M, N] (silu_and_mul: [M, N / 2]; argmax: int64 [M]).
     Up to GEMV_MAX_ROWS rows of an output-major weight (but the LM head's argmax) run on gemv.py's kernel, the
     rest on the tiled one here. `config` overrides the choice, the tiles and the split (the tests and the
     benchmark): a GemvConfig takes the GEMV (with fuse_norm=False after layernorm.py's kernel); a SkinnyConfig's
     block_n counts output columns. rope (a qkv product): the GEMV's epilogue rotates q and stores k and v; the tiled
-    kernel leaves that to rotary.py's."""
+    kernel leaves that to rotary.py's. weight_scale: weight is float8 e4m3 with this float32 scale per row."""
     k = x.shape[-1]
     n_weight = weight.shape[0]
-    assert weight.shape[1] == k and weight.dtype == x.dtype, (x.shape, x.dtype, weight.shape, weight.dtype)
+    scaled = weight_scale is not None
+    assert weight.shape[1] == k and weight.dtype == (FP8_DTYPE if scaled else x.dtype), (
+        x.shape, x.dtype, weight.shape, weight.dtype)
+    assert not scaled or (weight_scale.shape == (n_weight,) and weight_scale.dtype == torch.float32
+                          and weight_scale.is_contiguous()), "weight_scale: float32 [N], contiguous"
     x2 = _rows(x)
     m = x2.shape[0]
     n = n_weight // 2 if silu_and_mul else n_weight
@@ -314,9 +354,11 @@ def _launch(
         assert k_contiguous and not argmax, "the GEMV takes output-major weights, and no argmax"
         if norm and config is not None and not config.fuse_norm:  # the norm's own kernel, then a plain GEMV
             normed, normed_residual = _launch_rms_norm(x2, residual, norm_weight, eps)
-            launch_gemv(out, normed, weight, stride_w, normed, None, None, eps, silu_and_mul, config, rope)
+            launch_gemv(out, normed, weight, stride_w, normed, None, None, eps, silu_and_mul, config, rope,
+                        weight_scale)
             return out, (normed_residual if residual is not None else None)
-        launch_gemv(out, x2, weight, stride_w, res2, new_residual, norm_weight, eps, silu_and_mul, config, rope)
+        launch_gemv(out, x2, weight, stride_w, res2, new_residual, norm_weight, eps, silu_and_mul, config, rope,
+                    weight_scale)
         return out, new_residual
     if config is None:
         # silu_and_mul: the grid of the whole [M, 2I] product, each program's columns half gate, half up
@@ -344,10 +386,11 @@ def _launch(
     nres = new_residual if new_residual is not None else x2
     _fused_linear_kernel[grid](
         out, x2, weight, res2, nres, norm_weight if norm else x2, partial, counters, keys,
+        weight_scale if scaled else x2,
         m, n, k, x2.stride(0), res2.stride(0), nres.stride(0), out.stride(0), stride_w, k_per_split, eps,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_BLOCK=norm_block,
         SPLIT_K=split, W_K_CONTIGUOUS=k_contiguous, NORM=norm, HAS_RESIDUAL=residual is not None,
-        SILU_MUL=silu_and_mul, ARGMAX=argmax, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        SILU_MUL=silu_and_mul, ARGMAX=argmax, W_SCALED=scaled, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(x2),
     )
     if rope is not None:
@@ -356,26 +399,29 @@ def _launch(
 
 
 def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, silu_and_mul: bool = False,
-                        config: SkinnyConfig | GemvConfig | None = None) -> torch.Tensor:
+                        config: SkinnyConfig | GemvConfig | None = None, *,
+                        weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernel of fused_linear_ref: x [..., K], weight [N, K] in either layout the engine stores (a few
     rows and an output-major weight: gemv.py's kernel)."""
-    y, _ = _launch(x, weight, silu_and_mul=silu_and_mul, config=config)
+    y, _ = _launch(x, weight, silu_and_mul=silu_and_mul, config=config, weight_scale=weight_scale)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def fused_norm_linear_triton(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    silu_and_mul: bool = False, config: SkinnyConfig | GemvConfig | None = None, rope: RopeStore | None = None,
+    silu_and_mul: bool = False, config: SkinnyConfig | GemvConfig | None = None, rope: RopeStore | None = None, *,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel of fused_norm_linear_ref: one launch reads x and residual, writes the product and the
     new residual stream (a few rows and an output-major weight: gemv.py's kernel, which with rope also rotates q
     and stores k and v)."""
     y, new_residual = _launch(x, weight, residual=residual, norm_weight=norm_weight, eps=eps,
-                              silu_and_mul=silu_and_mul, config=config, rope=rope)
+                              silu_and_mul=silu_and_mul, config=config, rope=rope, weight_scale=weight_scale)
     new_residual = x if new_residual is None else new_residual.reshape(x.shape)
     return y.reshape(*x.shape[:-1], y.shape[-1]), new_residual
 
 
-def linear_argmax_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
+def linear_argmax_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None, *,
+                         weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernel of linear_argmax_ref: x [M, K], weight [vocab, K] -> int64 token ids [M]."""
-    return _launch(x, weight, argmax=True, config=config)[0]
+    return _launch(x, weight, argmax=True, config=config, weight_scale=weight_scale)[0]

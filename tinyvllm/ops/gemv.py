@@ -22,6 +22,8 @@ of K at once (BLOCK_K = K padded to a power of two). Each x row is then
     y[m, n] = s * sum_k W[n, k] * a[k]   in float32, rounded to x's dtype
     y[m, n] = silu(gate) * up            (SILU_MUL; gate and up rounded first, as the unfused path rounds them)
     (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) for q and k heads; k, v to the cache slot   (ROPE, rotary.py's math)
+With a float8 weight (W_SCALED: W[n, k] = w8[n, k] * w_scale[n], fp8.py) the sums are sum_k w8[n, k] * a[k] times
+w_scale[n] (a factor of the whole sum), before SiLU·mul or the rotation; the program's slab is then twice the rows.
 The norm's 1/rms is a factor of each row's sums rather than of its inputs, so the sum of squares runs beside the
 products instead of before them; rms_norm(h) is then never rounded to x's dtype as the reference rounds it (in
 float32 the two agree up to the order of the sums).
@@ -74,13 +76,13 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M"])
     def _gemv_kernel(
         y_ptr, x_ptr, w_ptr, residual_ptr, new_residual_ptr, norm_weight_ptr,
-        positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+        positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, w_scale_ptr,
         M, N, K, stride_x, stride_r, stride_nr, stride_y, stride_w, eps,
         stride_cs, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, block_size, num_q_heads,
         num_kv_heads,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
         SILU_MUL: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, EVEN_K: tl.constexpr,
-        USE_PDL: tl.constexpr,
+        W_SCALED: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -106,6 +108,11 @@ if triton is not None:
         if SILU_MUL or ROPE:
             w_2 = tl.load(w_ptr + rows_2.to(tl.int64)[:, None] * stride_w + offs_k[None, :], mask=w_mask,
                           other=0.0, eviction_policy="evict_first")
+        if W_SCALED:  # (the rows' float32 scales, rows_2's for SILU_MUL's up and ROPE's second halves)
+            w_scale = tl.load(w_scale_ptr + rows, mask=n_mask, other=0.0)
+            w_scale_2 = w_scale
+            if SILU_MUL or ROPE:
+                w_scale_2 = tl.load(w_scale_ptr + rows_2, mask=n_mask, other=0.0)
         norm_weight = tl.zeros((BLOCK_K,), dtype=x_ptr.dtype.element_ty)
         if NORM:  # (a weight too: it does not depend on the kernel before either)
             norm_weight = tl.load(norm_weight_ptr + offs_k, mask=k_mask, other=0.0)
@@ -127,12 +134,17 @@ if triton is not None:
                 a = h * norm_weight.to(tl.float32)
             a = a.to(tl.float32)[None, :]
             acc = tl.sum(w.to(tl.float32) * a, axis=1) * scale
+            acc_2 = acc  # (SILU_MUL: up; ROPE: the heads' second halves)
+            if SILU_MUL or ROPE:
+                acc_2 = tl.sum(w_2.to(tl.float32) * a, axis=1) * scale
+            if W_SCALED:
+                acc, acc_2 = acc * w_scale, acc_2 * w_scale_2
             if SILU_MUL:
                 gate = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
-                up = (tl.sum(w_2.to(tl.float32) * a, axis=1) * scale).to(y_ptr.dtype.element_ty).to(tl.float32)
+                up = acc_2.to(y_ptr.dtype.element_ty).to(tl.float32)
                 acc = gate / (1.0 + tl.exp(-gate)) * up
             if ROPE:
-                _rope_store(y_ptr + m * stride_y, acc, tl.sum(w_2.to(tl.float32) * a, axis=1) * scale, rows, rows_2,
+                _rope_store(y_ptr + m * stride_y, acc, acc_2, rows, rows_2,
                             head, j, n_mask, tl.load(positions_ptr + m).to(tl.int64),
                             tl.load(slot_ptr + m).to(tl.int64), cos_sin_ptr, k_cache_ptr, v_cache_ptr, stride_cs,
                             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, block_size, num_q_heads,
@@ -174,14 +186,16 @@ if triton is not None:
 
 def launch_gemv(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, stride_w: int, residual: torch.Tensor,
                 new_residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float, silu_and_mul: bool,
-                config: GemvConfig | None = None, rope: RopeStore | None = None) -> None:
+                config: GemvConfig | None = None, rope: RopeStore | None = None,
+                weight_scale: torch.Tensor | None = None) -> None:
     """Write y [M, N] (silu_and_mul: N = half of W's rows) for x [M, K] (rows contiguous) and W[n, k] at
     n * stride_w + k; with norm_weight, rms_norm(x + residual) multiplies W and, with new_residual, x + residual
     goes there (fused_linear._launch allocates the outputs and passes x as the residual when there is none); with
-    rope (y a qkv product), q rotated in y and k, v into the cache, as rotary.rope_store_ref does."""
+    rope (y a qkv product), q rotated in y and k, v into the cache, as rotary.rope_store_ref does; with weight_scale
+    (float32, one per row of W), W is float8 and its rows' sums are scaled."""
     m, k = x.shape
     n = y.shape[1]
-    config = config or gemv_config(n, k, silu_and_mul or rope is not None, x.element_size())
+    config = config or gemv_config(n, k, silu_and_mul or rope is not None, weight.element_size())
     block_k = triton.next_power_of_2(k)
     nres = new_residual if new_residual is not None else x
     if rope is None:
@@ -200,9 +214,11 @@ def launch_gemv(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, stride_w
         block_size, num_q_heads, num_kv_heads = kc.shape[1], rope.num_q_heads, rope.num_kv_heads
     _gemv_kernel[(programs,)](
         y, x, weight, residual, nres, norm_weight if norm_weight is not None else x, *tensors,
+        weight_scale if weight_scale is not None else x,
         m, n, k, x.stride(0), residual.stride(0), nres.stride(0), y.stride(0), stride_w, eps, *strides,
         block_size, num_q_heads, num_kv_heads,
         BLOCK_N=config.block_n, BLOCK_K=block_k, NORM=norm_weight is not None, HAS_RESIDUAL=new_residual is not None,
-        SILU_MUL=silu_and_mul, ROPE=rope is not None, HALF=half, EVEN_K=k == block_k, num_warps=config.num_warps,
+        SILU_MUL=silu_and_mul, ROPE=rope is not None, HALF=half, EVEN_K=k == block_k,
+        W_SCALED=weight_scale is not None, num_warps=config.num_warps,
         num_stages=1, **pdl_options(x), **({} if config.max_registers is None else {"maxnreg": config.max_registers}),
     )
