@@ -16,7 +16,15 @@ import time
 
 from common import commit, cuda_ms, gpu_name, random_llama_1b, random_llama_tiny, require_gpu
 
-FLOOR_MS = 0.594  # batch-1 decode floor for the 1B model: weights / copy bandwidth (docs/benchmarks.md)
+COPY_BYTES_PER_S = 4.159e12  # the H200's device-to-device copy rate (docs/benchmarks.md)
+
+
+def decode_floor_ms(model) -> float:
+    """A batch-1 decode step's floor: the bytes of the weights it reads (every parameter, the embedding only where it
+    is the LM head) at the copy rate (0.594 ms for the 1B model in bf16)."""
+    embedding = model.get_input_embeddings().weight
+    read = [p for p in model.parameters() if p is not embedding or model.lm_head is None]
+    return sum(p.numel() * p.element_size() for p in read) / COPY_BYTES_PER_S * 1e3
 
 
 def hf_latency(path: str, prompt: list[int], output_len: int, static: bool,
@@ -165,6 +173,7 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks, one GPU each (issue 7)")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="auto (the model's dtype) or fp8 (float8 e4m3, sm_89+: half the KV bytes of bf16)")
+    parser.add_argument("--quantization", default=None, choices=("fp8",), help="the weights' format (default: bf16)")
     parser.add_argument("--no-step-gpu-time", action="store_true",
                         help="time the breakdown's steps on the host only (on a GPU each step is also timed by CUDA "
                              "events, which adds a little host time to its launch)")
@@ -185,7 +194,9 @@ def main() -> None:
     llm = LLM(path, skip_tokenizer_init=True, enforce_eager=args.enforce_eager, max_model_len=4096,
               gpu_memory_utilization=0.5, async_scheduling=not args.no_async_scheduling,
               tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
-              **({"device": "cpu"} if args.small else {}))
+              quantization=args.quantization, **({"device": "cpu"} if args.small else {}))
+    floor_ms = decode_floor_ms(llm.llm_engine.engine_core.model_runner.model) if args.tensor_parallel_size == 1 \
+        else None
     try:
         ours = run_latency(llm, args.prompt_len, args.output_len)
         breakdown, decode_steps = step_breakdown(llm, args.prompt_len, args.output_len,
@@ -197,13 +208,15 @@ def main() -> None:
     del llm
     result = {"commit": commit(), "gpu": gpu_name(), "ours": ours, "step_breakdown_ms": breakdown,
               "step_breakdown_decode_steps": decode_steps, "tensor_parallel_size": args.tensor_parallel_size,
-              "kv_cache_dtype": args.kv_cache_dtype}
+              "kv_cache_dtype": args.kv_cache_dtype, "quantization": args.quantization, "floor_ms": floor_ms}
     print(f"latency-b1 on {result['gpu']} at {result['commit']} ({args.prompt_len} prompt, {args.output_len} output)")
     mode = ", ".join(m for m, on in (("eager", args.enforce_eager), ("sync", args.no_async_scheduling),
                                      (f"tensor_parallel_size {args.tensor_parallel_size}",
                                       args.tensor_parallel_size > 1),
-                                     (f"kv_cache_dtype {args.kv_cache_dtype}", args.kv_cache_dtype != "auto")) if on)
-    floor = "" if args.small else f", {FLOOR_MS / ours['tpot_ms_median']:.0%} of the {FLOOR_MS} ms bandwidth floor"
+                                     (f"kv_cache_dtype {args.kv_cache_dtype}", args.kv_cache_dtype != "auto"),
+                                     (f"quantization {args.quantization}", args.quantization)) if on)
+    floor = "" if args.small or floor_ms is None else \
+        f", {floor_ms / ours['tpot_ms_median']:.0%} of the {floor_ms:.3f} ms floor (the weights read at the copy rate)"
     print(f"  (TTFT: the median of {ours['ttft_samples']} requests, one at a time, for tinyvllm; of 5 for "
           "transformers)")
     print(f"  tinyvllm{f' ({mode})' if mode else ''}: TTFT {ours['ttft_ms']:.2f} ms, "

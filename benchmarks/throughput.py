@@ -116,6 +116,7 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks, one GPU each (issue 7)")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="auto (the model's dtype) or fp8 (float8 e4m3, sm_89+: twice the blocks of bf16)")
+    parser.add_argument("--quantization", default=None, choices=("fp8",), help="the weights' format (default: bf16)")
     parser.add_argument("--block-size", type=int, help="tokens per KV-cache block (default: the engine's)")
     parser.add_argument("--max-num-seqs", type=int, default=256,
                         help="below the number of prompts, static batching waits on each batch's longest request")
@@ -141,7 +142,8 @@ def main() -> None:
             setattr(args, name, small if args.small else large)
     path = args.model or (random_llama_tiny() if args.small else random_llama_1b())
     device = "cpu" if args.small else "cuda"
-    engine_kwargs = {"kv_cache_dtype": args.kv_cache_dtype, **({"device": "cpu"} if args.small else {}),
+    engine_kwargs = {"kv_cache_dtype": args.kv_cache_dtype, "quantization": args.quantization,
+                     **({"device": "cpu"} if args.small else {}),
                      **({"block_size": args.block_size} if args.block_size else {})}
 
     import torch
@@ -156,10 +158,11 @@ def main() -> None:
     else:
         prompts, params = throughput_workload(args.num_prompts)
     result = {"commit": commit(), "gpu": gpu_name(), "tensor_parallel_size": args.tensor_parallel_size,
-              "kv_cache_dtype": args.kv_cache_dtype}
+              "kv_cache_dtype": args.kv_cache_dtype, "quantization": args.quantization}
     caching = "off" if args.no_prefix_caching else "on"
     tp = f", tensor_parallel_size {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     tp += f", kv_cache_dtype {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
+    tp += f", quantization {args.quantization}" if args.quantization else ""
     tp += f", block_size {args.block_size}" if args.block_size else ""
     print(f"throughput-{args.num_prompts} (max_num_seqs {args.max_num_seqs}, prefix caching {caching}{tp}) "
           f"on {result['gpu']} at {result['commit']}: "

@@ -34,6 +34,68 @@ class UnsupportedArchitectureError(ConfigError):
     """A model of an architecture tinyvllm has no implementation for."""
 
 
+# `quantization`'s choices (vLLM's names): how the linear layers' weights are stored (model/quantization.py).
+QUANTIZATION_METHODS = ("fp8",)
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """Which linear layers hold quantized weights, and how. method "fp8": float8 e4m3 weights with a float32 scale per
+    output channel, activations quantized per token as each product runs. from_checkpoint: the checkpoint stores the
+    float8 weights with their `weight_scale` tensors, one per output channel ("channel") or per tensor ("tensor");
+    else the weights are quantized as they load. ignore: modules kept unquantized, by name or "re:" pattern (the LM
+    head is never quantized)."""
+
+    method: str = "fp8"
+    from_checkpoint: bool = False
+    weight_strategy: str = "channel"
+    ignore: tuple[str, ...] = ()
+
+    def ignores(self, module_name: str) -> bool:
+        return any(re.fullmatch(rule[3:], module_name) if rule.startswith("re:") else
+                   module_name == rule or module_name.endswith("." + rule) for rule in self.ignore)
+
+    @classmethod
+    def from_hf_dict(cls, quant: Any) -> QuantizationConfig:
+        """A config.json's `quantization_config`: compressed-tensors' float8 scheme (llm-compressor's FP8 and
+        FP8_DYNAMIC) or quant_method "fp8" (per-tensor scales). Anything else is a ConfigError naming what it is."""
+        if not isinstance(quant, dict):
+            raise ConfigError(f"'quantization_config' must be an object, not {quant!r}")
+        method = quant.get("quant_method")
+        if method == "fp8":
+            if quant.get("weight_block_size"):
+                raise ConfigError("'quantization_config': FP8 with block-wise scales (weight_block_size "
+                                  f"{quant['weight_block_size']}) is not supported; tinyvllm loads per-tensor and "
+                                  "per-channel float8 scales")
+            ignore = quant.get("ignored_layers") or quant.get("modules_to_not_convert") or []
+            return cls("fp8", True, "tensor", tuple(ignore))
+        if method != "compressed-tensors":
+            raise ConfigError(f"'quantization_config': quant_method {method!r} is not supported; tinyvllm loads "
+                              "float8 checkpoints (quant_method 'fp8', or 'compressed-tensors' with float8 weights) "
+                              f"and quantizes at load with quantization={'|'.join(QUANTIZATION_METHODS)}")
+        groups = quant.get("config_groups") or {}
+        strategies = {_float8_weight_strategy(name, group) for name, group in groups.items()}
+        if len(strategies) != 1:
+            raise ConfigError("'quantization_config': compressed-tensors needs one float8 weight scheme for every "
+                              f"group; this one has {len(strategies)} ({sorted(strategies)})")
+        return cls("fp8", True, strategies.pop(), tuple(quant.get("ignore") or ()))
+
+
+def _float8_weight_strategy(name: str, group: Any) -> str:
+    """The scale strategy ("channel" or "tensor") of a compressed-tensors group of float8 weights, or a ConfigError
+    that says what the group is instead."""
+    weights = group.get("weights") if isinstance(group, dict) else None
+    if not isinstance(weights, dict) or weights.get("num_bits") != 8 or weights.get("type") != "float" \
+            or weights.get("strategy") not in ("channel", "tensor") or weights.get("dynamic"):
+        raise ConfigError(f"'quantization_config': compressed-tensors group {name!r} quantizes weights as {weights!r}; "
+                          "tinyvllm loads 8-bit float weights with a static scale per channel or per tensor")
+    activations = group.get("input_activations")
+    if activations is not None and (activations.get("num_bits") != 8 or activations.get("type") != "float"):
+        raise ConfigError(f"'quantization_config': compressed-tensors group {name!r} quantizes activations as "
+                          f"{activations!r}; tinyvllm quantizes them to float8 per token")
+    return weights["strategy"]
+
+
 def check_architecture(name: str) -> str:
     """The canonical architecture name, or an error that lists the ones we support."""
     if name not in SUPPORTED_ARCHITECTURES:
@@ -64,6 +126,7 @@ class ModelConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     dtype: torch.dtype = torch.float32
+    quantization: QuantizationConfig | None = None  # the checkpoint's (config.json's quantization_config)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     # The whole config.json (or the GGUF's metadata as such): a family reads its own fields from it.
@@ -144,6 +207,8 @@ class ModelConfig:
             attention_bias=bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             dtype=getattr(torch, str(dtype_name).replace("torch.", ""), torch.float32),
+            quantization=(QuantizationConfig.from_hf_dict(hf["quantization_config"])
+                          if hf.get("quantization_config") is not None else None),
             bos_token_id=bos,
             eos_token_ids=_token_ids(hf.get("eos_token_id")),
             hf_config=dict(hf),
@@ -260,6 +325,10 @@ class EngineConfig:
     kv_cache_dtype: str = _arg("auto", "KV cache storage: auto is the model's dtype; fp8 (or fp8_e4m3) is float8 e4m3 "
                                        "without scale factors, half the bytes of bf16 (on a GPU: sm_89 or newer)",
                                choices=KV_CACHE_DTYPES)
+    quantization: str | None = _arg(None, "quantize the linear layers' weights as they load: fp8 is float8 e4m3 with "
+                                          "a scale per output channel (on a GPU: sm_89 or newer); none: as the "
+                                          "checkpoint stores them (float8 checkpoints load as such)",
+                                    choices=QUANTIZATION_METHODS, aliases=("-q",))
     enable_prefix_caching: bool = _arg(True, "reuse the KV cache of prompt prefixes computed before")
     enforce_eager: bool = _arg(False, "no CUDA graphs")
     cascade_attention: bool = _arg(True, "decode steps whose sequences share a cached prefix read its KV once for "
@@ -301,6 +370,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
                               f"not {self.kv_cache_dtype!r}")
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or none), "
+                              f"not {self.quantization!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -341,6 +413,20 @@ class EngineConfig:
             check_fp8_capability(torch.cuda.get_device_capability(device), self.kv_cache_dtype)
         return device
 
+    def resolve_quantization(self, model: ModelConfig, device: torch.device) -> QuantizationConfig | None:
+        """The weights' format: the checkpoint's if it is quantized (quantization, if given, must name its method),
+        else what `quantization` asks for at load."""
+        if model.quantization is not None:
+            if self.quantization not in (None, model.quantization.method):
+                raise ConfigError(f"quantization={self.quantization!r} was asked for, but the checkpoint is already "
+                                  f"quantized as {model.quantization.method}")
+            quantization = model.quantization
+        else:
+            quantization = QuantizationConfig(self.quantization) if self.quantization else None
+        if quantization is not None and device.type == "cuda":
+            check_fp8_capability(torch.cuda.get_device_capability(device), what="float8 weights")
+        return quantization
+
     def resolve_async_scheduling(self, device: torch.device) -> bool:
         return device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
 
@@ -375,14 +461,18 @@ class Config:
     device: torch.device
     dtype: torch.dtype
     max_model_len: int
+    quantization: QuantizationConfig | None = None
 
 
-def check_fp8_capability(capability: tuple[int, int], kv_cache_dtype: str = "fp8") -> None:
-    """Raise ConfigError unless a GPU of this compute capability runs the float8 KV cache's kernels."""
+def check_fp8_capability(capability: tuple[int, int], kv_cache_dtype: str = "fp8", what: str | None = None) -> None:
+    """Raise ConfigError unless a GPU of this compute capability runs the float8 kernels (of the KV cache, or of
+    `what`)."""
     if tuple(capability) < FP8_MIN_CAPABILITY:
         major, minor = capability
-        raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU of compute capability 8.9 or newer (Ada, "
-                          f"Hopper) for Triton's float8 e4m3; this one is {major}.{minor}: use kv_cache_dtype='auto'")
+        asked, instead = ((f"kv_cache_dtype={kv_cache_dtype!r}", "use kv_cache_dtype='auto'") if what is None
+                          else (what, "load the model unquantized"))
+        raise ConfigError(f"{asked} needs a GPU of compute capability 8.9 or newer (Ada, Hopper) for float8 e4m3; "
+                          f"this one is {major}.{minor}: {instead}")
 
 
 def _unknown_argument(name: str, known: list[str]) -> str:

@@ -60,7 +60,7 @@ class EngineCore:
         tp, self.workers = self._start_tensor_parallel(resolved)
         try:
             model = build_model(model_config, resolved.model_path, device, resolved.dtype, resolved.max_model_len,
-                                tp=tp)
+                                tp=tp, quantization=resolved.quantization)
             self.model_runner = ModelRunner(model, resolved, tp)
         except BaseException:
             if self.workers is not None:

@@ -37,7 +37,9 @@ def resolve_config(config: EngineConfig) -> tuple[Config, Any]:
     tokenizer = None if config.skip_tokenizer_init else load_tokenizer(model_path)
     if not model_config.eos_token_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
         model_config.eos_token_ids = [tokenizer.eos_token_id]
-    return Config(config, model_config, model_path, device, dtype, config.max_model_len or limit), tokenizer
+    quantization = config.resolve_quantization(model_config, device)
+    return Config(config, model_config, model_path, device, dtype, config.max_model_len or limit,
+                  quantization), tokenizer
 
 
 class LLMEngine:

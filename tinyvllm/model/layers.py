@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from tinyvllm import ops
 from tinyvllm.distributed import TensorParallel, all_reduce
+from tinyvllm.model.quantization import UNQUANTIZED
 from tinyvllm.ops import AttentionMetadata
 
 
@@ -82,14 +82,18 @@ def _parameter(*shape: int, loader: Any, shard_ids: tuple = (None,)) -> nn.Param
 class Linear(nn.Module):
     """y = x W^T (+ b), whole on every rank, through cuBLAS or, at decode sizes, our kernel (ops.fused_linear).
     `product` names the layer in ops.DECODE_KERNEL_MAX_ROWS; None (a bias, or a weight split over ranks) keeps it
-    on cuBLAS."""
+    on cuBLAS. How the weight is stored and multiplied is its `method`'s (model/quantization.py): the model's dtype
+    by default, or float8 with a scale per output channel (`weight_scale`). The weight loader takes any tensor
+    indexed by output rows and its bias (a per-channel scale too)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, product: str | None = None,
                  shard_ids: tuple = (None,)) -> None:
         super().__init__()
         self.weight = _parameter(out_features, in_features, loader=self.weight_loader, shard_ids=shard_ids)
         self.bias = _parameter(out_features, loader=self.weight_loader, shard_ids=shard_ids) if bias else None
+        self.weight_scale: torch.Tensor | None = None
         self.product = None if bias else product
+        self.method = UNQUANTIZED
 
     def weight_loader(self, param: nn.Parameter, tensor: Any, shard_id: Any = None) -> None:
         default_weight_loader(param, tensor)
@@ -98,9 +102,11 @@ class Linear(nn.Module):
         return self.product is not None and ops.use_decode_kernel(self.product, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.uses_decode_kernel(x):
-            return ops.fused_linear(x, self.weight)
-        return F.linear(x, self.weight, self.bias)
+        return self.method.apply(self, x, self.bias)
+
+    def add_to(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """h += x W^T, in place (the residual stream of a layer with its norms folded)."""
+        return self.method.add_to(self, h, x)
 
 
 class ColumnParallelLinear(Linear):
@@ -153,7 +159,7 @@ class RowParallelLinear(Linear):
         self.tp = tp
 
     def weight_loader(self, param: nn.Parameter, tensor: Any, shard_id: Any = None) -> None:
-        if param is self.bias:
+        if param.dim() == 1:  # the bias, or a per-channel scale: indexed by the output, which is whole
             default_weight_loader(param, tensor)
         else:
             load_rank_shard(param.data, tensor, 1, self.tp)
@@ -161,7 +167,7 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        return all_reduce(F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None), self.tp)
+        return all_reduce(self.method.apply(self, x, self.bias if self.tp.rank == 0 else None), self.tp)
 
 
 # ---- the vocabulary ---------------------------------------------------------------------------------------
@@ -223,7 +229,8 @@ class RMSNorm(nn.Module):
         with rope (a qkv product) q rotated in it and k, v stored in the cache: one kernel where the decode kernel
         applies to `linear`, else the norm, the product and the gate or the rotary op in turn."""
         if linear.uses_decode_kernel(x):
-            return ops.fused_norm_linear(x, residual, self.weight, self.eps, linear.weight, silu_and_mul, rope=rope)
+            return ops.fused_norm_linear(x, residual, self.weight, self.eps, linear.weight, silu_and_mul, rope=rope,
+                                         weight_scale=linear.weight_scale)
         normed, residual = self(x, residual)
         y = linear(normed)
         if silu_and_mul:
@@ -235,7 +242,9 @@ class RMSNorm(nn.Module):
     def fold_into(self, linear: Linear) -> None:
         """Fold the norm's weight into the product after it: W[:, k] *= g[k] (rounded once, from float32), and g = 1.
         Exact in exact arithmetic where the norm's output feeds only that product. In slices of rows, so that the
-        float32 copy stays small."""
+        float32 copy stays small. Before the weights take their format (a quantized one is made from the folded
+        weight); a format that comes quantized from the checkpoint cannot take it (linear.method.can_fold_norms)."""
+        assert linear.method.can_fold_norms, "this weight format cannot take a norm's weight"
         g = self.weight.data.float()[None, :]
         for rows in linear.weight.data.split(1024):
             rows.copy_(rows.float() * g)

@@ -109,9 +109,9 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         qkv = ops.rope_store(attn.qkv_proj(h), attn.attn.rope_store(positions, cos_sin, meta),
                              norm=ops.RowNorm(h, self.input_layernorm.eps))
-        h.addmm_(attn.attn(qkv, meta), attn.o_proj.weight.t())
+        attn.o_proj.add_to(h, attn.attn(qkv, meta))
         gated = ops.silu_and_mul(mlp.gate_up_proj(h), norm=ops.RowNorm(h, self.post_attention_layernorm.eps))
-        return h.addmm_(gated, mlp.down_proj.weight.t())
+        return mlp.down_proj.add_to(h, gated)
 
 
 class LlamaModel(nn.Module):
@@ -156,14 +156,15 @@ class LlamaForCausalLM(CausalLM):
         return self.model.embed_tokens
 
     def fold_norms(self) -> None:
-        """LlamaDecoderLayer.fold_norms in every layer, where forward_stream can then run: one rank, no biases, and
-        bfloat16 or float32 weights. A step of more rows than our decode kernels take then runs no norm kernel in
-        the layers. (In float16 the products of the unnormalized stream, up to its rms times larger than the
-        normalized one's, would come nearer the format's 65,504 ceiling; bfloat16 has float32's range.)"""
+        """LlamaDecoderLayer.fold_norms in every layer, where forward_stream can then run: one rank, no biases,
+        bfloat16 or float32 weights, and a weight format that takes the fold (not a float8 checkpoint's). A step of
+        more rows than our decode kernels take then runs no norm kernel in the layers. (In float16 the products of
+        the unnormalized stream, up to its rms times larger than the normalized one's, would come nearer the
+        format's 65,504 ceiling; bfloat16 has float32's range.)"""
         layers = self.model.layers
-        linears = (layers[0].self_attn.qkv_proj, layers[0].self_attn.o_proj, layers[0].mlp.gate_up_proj,
-                   layers[0].mlp.down_proj)
-        if (self.tp.size > 1 or any(linear.bias is not None for linear in linears)
+        linears = [linear for layer in layers for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                             layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        if (self.tp.size > 1 or any(linear.bias is not None or not linear.method.can_fold_norms for linear in linears)
                 or linears[0].weight.dtype == torch.float16):
             return
         for layer in layers:

