@@ -8,9 +8,10 @@ once per output, after the sum. Activations stay in the model's dtype.
 
 - fp8_linear_ref: the product of the dequantized weight in float32 (what the CPU engine runs).
 - fp8_linear_cuda: x quantized per token (one scale per row, quantize_fp8_per_token_triton), then torch._scaled_mm
-  on the fp8 tensor cores with both scales applied in its epilogue (row-wise scaling). Where _scaled_mm cannot take
-  the case (a float32 model, whose results must be the reference's; K or N not a multiple of 16; a GPU before
-  Hopper), the reference runs instead.
+  on the fp8 tensor cores with both scales applied in its epilogue (row-wise scaling), written in bfloat16 (the
+  output type every torch build's row-wise kernels take; a float16 model's result is converted). Where _scaled_mm
+  cannot take the case (a float32 model, whose results must be the reference's; K or N not a multiple of 16; a GPU
+  before Hopper), the reference runs instead.
 The decode kernels (fused_linear.py, gemv.py) take the same weights through their weight_scale argument and keep x
 as it is: at a few rows the weight bytes are the cost, not the arithmetic."""
 
@@ -147,9 +148,9 @@ def scaled_mm_takes(x: torch.Tensor, w8: torch.Tensor) -> bool:
 
 def fp8_linear_cuda(x: torch.Tensor, w8: torch.Tensor, weight_scale: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """fp8_linear_ref on the fp8 tensor cores: x quantized per token (its own error, about one e4m3 step of each
+    """fp8_linear_ref on the fp8 tensor cores: x quantized per token (its own error, up to half an e4m3 step of each
     element, on top of the weight's), then y[m, n] = scale_x[m] * scale_w[n] * sum_k x8[m, k] w8[n, k] (+ bias[n])
-    through torch._scaled_mm, accumulated in float32, written in x's dtype. Cases it cannot take
+    through torch._scaled_mm, accumulated in float32, written in bfloat16 (then x's dtype). Cases it cannot take
     (scaled_mm_takes) run the reference."""
     if not scaled_mm_takes(x, w8):
         return fp8_linear_ref(x, w8, weight_scale, bias)
@@ -159,5 +160,5 @@ def fp8_linear_cuda(x: torch.Tensor, w8: torch.Tensor, weight_scale: torch.Tenso
     # (w8 [N, K] with rows of K contiguous is the column-major [K, N] operand _scaled_mm wants as its second)
     w8 = w8 if w8.stride(1) == 1 and w8.stride(0) == k else w8.contiguous()
     y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=weight_scale.float().reshape(1, n),
-                         bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)
-    return y.reshape(*x.shape[:-1], n)
+                         bias=None if bias is None else bias.to(torch.bfloat16), out_dtype=torch.bfloat16)
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
