@@ -388,6 +388,10 @@ HOPPER_CASES = [
     ("tinyvllm.ops.fused_linear", "_fused_linear_kernel",
      {**_FUSED, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2, "NORM": True, "HAS_RESIDUAL": True,
       "SILU_MUL": True}, _FUSED_POINTERS, 4),
+    ("tinyvllm.ops.fused_linear", "_fused_linear_kernel",  # (a float32 model: the weight converted to float32)
+     {**_FUSED, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "PRECISION": "ieee"},
+     {**_FUSED_POINTERS, **{name: "*fp32" for name in ("y_ptr", "x_ptr", "residual_ptr", "new_residual_ptr",
+                                                         "norm_weight_ptr")}}, 4),
     ("tinyvllm.ops.fused_linear", "_fused_linear_kernel",
      {**_FUSED, "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 1, "ARGMAX": True},
      {**_FUSED_POINTERS, "y_ptr": "*i64"}, 4),
