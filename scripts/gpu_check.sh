@@ -6,7 +6,8 @@
 # compare), tests-fp8 (the GPU tests of its kernels and engine), kernels-fp8 (decode attention on it) and sweep-fp8
 # (its decode tiles);
 # products-256 (cuBLAS and our Triton tiles at a 128- and 256-sequence step's rows); sampling (the sampling table)
-# and tests-sampling (the sampler's GPU tests), e.g.
+# and tests-sampling (the sampler's GPU tests); for float8 weights: fp8-kernels (their products against bf16 cuBLAS)
+# and tests-fp8-weights (their GPU tests), e.g.
 #     bash scripts/gpu_check.sh tests latency
 # PYTHON picks the interpreter (default python3); LIMIT_S the seconds per part (default 300, and 900 for the tests:
 # on an H100 the 209 GPU tests took more than 280 s, and the float8 KV cache's engine tests start six engines more).
@@ -33,12 +34,14 @@ for part in "${parts[@]}"; do
         products-256) command=("$python" benchmarks/bench_gemv.py --sweep --batches 128,256) ;;
         sampling) command=("$python" benchmarks/bench_sampling.py) ;;
         tests-sampling) command=("$python" -m pytest -q -m cuda -p no:cacheprovider tests/gpu -k sample) ;;
+        fp8-kernels) command=("$python" benchmarks/bench_fp8.py) ;;
+        tests-fp8-weights) command=("$python" -m pytest -q -m cuda -p no:cacheprovider tests/gpu -k fp8_linear) ;;
         prompt-logprobs) command=("$python" benchmarks/prompt_logprobs.py) ;;
         tests-new) command=("$python" -m pytest -q -m cuda -p no:cacheprovider tests/gpu
                             -k "window or softcap or bitmask or prompt_logprobs") ;;
         *) echo "unknown part: $part (tests, latency, throughput, shared-prefix, serve, serve-floor," \
                 "throughput-fp8, tests-fp8, kernels-fp8, sweep-fp8, products-256," \
-                "sampling, tests-sampling, prompt-logprobs, tests-new)" >&2
+                "sampling, tests-sampling, fp8-kernels, tests-fp8-weights, prompt-logprobs, tests-new)" >&2
            exit 2 ;;
     esac
     part_limit=$limit

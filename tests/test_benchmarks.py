@@ -37,8 +37,8 @@ SMALL_RUNS = {
 PLOTS = {"throughput.py": ["steps-continuous.png", "steps-static.png"],
          "shared_prefix.py": ["steps-caching-on.png", "steps-caching-off.png"]}
 # --help only: they time CUDA kernels and graphs
-GPU_ONLY = {"bench_attention.py", "bench_cascade.py", "bench_elementwise.py", "bench_fused.py", "bench_gemv.py",
-            "bench_sampling.py", "profile_step.py"}
+GPU_ONLY = {"bench_attention.py", "bench_cascade.py", "bench_elementwise.py", "bench_fp8.py", "bench_fused.py",
+            "bench_gemv.py", "bench_sampling.py", "profile_step.py"}
 NOT_SCRIPTS = {"common.py", "kernels_common.py"}
 
 # Looks each name up as an import would with none of MODULE_FOLDERS on sys.path, so that what is found is what the
