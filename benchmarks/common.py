@@ -13,9 +13,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tinyvllm.entrypoints.bench_offline import (  # noqa: E402,F401
     LLAMA_1B,
     LLAMA_TINY,
+    SHAPES,
     random_llama,
     random_llama_1b,
     random_llama_tiny,
+    random_shape,
 )
 
 

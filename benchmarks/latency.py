@@ -14,7 +14,7 @@ import json
 import statistics
 import time
 
-from common import commit, cuda_ms, gpu_name, random_llama_1b, random_llama_tiny, require_gpu
+from common import SHAPES, commit, cuda_ms, gpu_name, random_llama_tiny, random_shape, require_gpu
 
 COPY_BYTES_PER_S = 4.159e12  # the H200's device-to-device copy rate (docs/benchmarks.md)
 
@@ -162,7 +162,9 @@ def decode_gpu_ms(llm, context: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="default: the random-weight Llama-3.2-1B shape")
+    parser.add_argument("--model", default=None, help="default: the random-weight model of --shape")
+    parser.add_argument("--shape", default="llama-1b", choices=tuple(SHAPES),
+                        help="the random-weight model's shape (default: Llama-3.2-1B's)")
     parser.add_argument("--small", action="store_true",
                         help="CPU-sized: a tiny random Llama, ours and the transformers peer on the CPU")
     parser.add_argument("--prompt-len", type=int, default=None, help="default 128; --small: 16")
@@ -185,7 +187,7 @@ def main() -> None:
             setattr(args, name, small if args.small else large)
     if args.output_len < 2:
         parser.error("--output-len must be at least 2 (time per output token is measured after the first)")
-    path = args.model or (random_llama_tiny() if args.small else random_llama_1b())
+    path = args.model or (random_llama_tiny() if args.small else random_shape(args.shape))
     device = "cpu" if args.small else "cuda"
 
     from tinyvllm import LLM

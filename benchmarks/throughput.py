@@ -16,7 +16,7 @@ import os
 import re
 import time
 
-from common import GcWatch, commit, gpu_name, random_llama_1b, random_llama_tiny, require_gpu
+from common import SHAPES, GcWatch, commit, gpu_name, random_llama_tiny, random_shape, require_gpu
 
 SPEED_OF_LIGHT = 70_700  # output tok/s, docs/benchmarks.md
 
@@ -102,7 +102,9 @@ def print_trace(summary: dict[str, float]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="default: the random-weight Llama-3.2-1B shape")
+    parser.add_argument("--model", default=None, help="default: the random-weight model of --shape")
+    parser.add_argument("--shape", default="llama-1b", choices=tuple(SHAPES),
+                        help="the random-weight model's shape (default: Llama-3.2-1B's)")
     parser.add_argument("--small", action="store_true",
                         help="CPU-sized: a tiny random Llama and workload, ours and the transformers peer on the CPU")
     parser.add_argument("--num-prompts", type=int, default=None, help="default 256; --small: 16")
@@ -140,7 +142,7 @@ def main() -> None:
     for name, large, small in (("num_prompts", 256, 16), ("peer_prompts", 64, 8), ("peer_max_tokens", 128, 8)):
         if getattr(args, name) is None:
             setattr(args, name, small if args.small else large)
-    path = args.model or (random_llama_tiny() if args.small else random_llama_1b())
+    path = args.model or (random_llama_tiny() if args.small else random_shape(args.shape))
     device = "cpu" if args.small else "cuda"
     engine_kwargs = {"kv_cache_dtype": args.kv_cache_dtype, "quantization": args.quantization,
                      **({"device": "cpu"} if args.small else {}),
@@ -187,8 +189,8 @@ def main() -> None:
         r["num_kv_blocks"] = llm.llm_engine.get_stats()["num_blocks"]
         result.setdefault(scheduling, r)
         result.setdefault("runs", []).append({"scheduling": scheduling, **r})
-        light = "" if args.small else (f", {r['output_tok_per_s'] / SPEED_OF_LIGHT:.0%} of the ~{SPEED_OF_LIGHT:,} "
-                                       "tok/s speed of light")
+        light = "" if args.small or args.model or args.shape != "llama-1b" else (
+            f", {r['output_tok_per_s'] / SPEED_OF_LIGHT:.0%} of the ~{SPEED_OF_LIGHT:,} tok/s speed of light")
         print(f"  tinyvllm {name}: {r['output_tok_per_s']:,.0f} output tok/s ({r['seconds']:.1f} s, "
               f"{r['preemptions']} preemptions){light}; {gc_watch}")
         if args.trace:

@@ -22,6 +22,25 @@ LLAMA_1B = dict(
 )
 
 
+# The other families' benchmark shapes (issue 46: each family's speed against its own weights' floor), random weights.
+QWEN3_1_7B = dict(
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, bos_token_id=151643, eos_token_id=151645,
+    initializer_range=0.02,
+)
+GEMMA2_2B = dict(
+    vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+    hidden_activation="gelu_pytorch_tanh", rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    bos_token_id=2, eos_token_id=1, initializer_range=0.02,
+)
+# --shape of the GPU benchmarks: name -> (transformers family, config).
+SHAPES: dict[str, tuple[str, dict]] = {"llama-1b": ("Llama", LLAMA_1B), "qwen3-1.7b": ("Qwen3", QWEN3_1_7B),
+                                       "gemma2-2b": ("Gemma2", GEMMA2_2B)}
+
+
 # The same architecture at toy size, for running a GPU benchmark on a CPU (--small of benchmarks/serve.py,
 # latency.py and throughput.py).
 LLAMA_TINY = {**LLAMA_1B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -40,17 +59,17 @@ def draw_norm_weights(model: Any) -> None:
                 param.uniform_(0.5, 1.5)
 
 
-def random_llama(path: str, shape: dict, dtype: str = "bfloat16") -> str:
-    """Saves (once) a random-weight LlamaForCausalLM of `shape` and returns its directory."""
+def random_llama(path: str, shape: dict, dtype: str = "bfloat16", family: str = "Llama") -> str:
+    """Saves (once) a random-weight {family}ForCausalLM of `shape` and returns its directory."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     torch.manual_seed(0)
-    config = LlamaConfig(**shape)
+    config = getattr(transformers, f"{family}Config")(**shape)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+        model = getattr(transformers, f"{family}ForCausalLM")(config).to(getattr(torch, dtype))
     draw_norm_weights(model)
     # Saved beside, then renamed into place: a run that starts meanwhile (tests run the --small benchmarks)
     # finds a whole checkpoint or none, never a config.json without its weights.
@@ -71,6 +90,14 @@ def random_llama(path: str, shape: dict, dtype: str = "bfloat16") -> str:
 def random_llama_1b(path: str = "/tmp/llama-1b-random") -> str:
     """The random-weight bf16 Llama-3.2-1B-shaped checkpoint of docs/benchmarks.md."""
     return random_llama(path, LLAMA_1B)
+
+
+def random_shape(name: str) -> str:
+    """The random-weight bf16 checkpoint of SHAPES[name] (llama-1b: random_llama_1b's)."""
+    if name == "llama-1b":
+        return random_llama_1b()
+    family, shape = SHAPES[name]
+    return random_llama(f"/tmp/{name}-random", shape, family=family)
 
 
 def random_llama_tiny(path: str = "/tmp/llama-tiny-random") -> str:
