@@ -119,6 +119,7 @@ CASES = [
        dict(BLOCK=4096 if norm else 1024, NORM=norm, BLOCK_HIDDEN=2048 if norm else 1, USE_PDL=True), {},
        8 if norm else 4) for norm in (False, True)],
     ("tinyvllm.ops.gemv", "_gemv_kernel", _gemv(2, 2048, True, False, True), {**_ROPE, **_FP8}, 4),
+    ("tinyvllm.ops.activation", "_gelu_tanh_and_mul_kernel", dict(BLOCK=1024, USE_PDL=True), {}, 4),  # (Gemma 2)
 ]
 
 

@@ -17,7 +17,12 @@ import triton.language as tl  # noqa: E402
 
 from tests.utils import assert_bf16_attention_close  # noqa: E402
 from tinyvllm.ops import attention  # noqa: E402
-from tinyvllm.ops.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
+from tinyvllm.ops.activation import (  # noqa: E402
+    gelu_tanh_and_mul_ref,
+    gelu_tanh_and_mul_triton,
+    silu_and_mul_ref,
+    silu_and_mul_triton,
+)
 from tinyvllm.ops.attention import (  # noqa: E402
     AttentionMetadata,
     decode_config,
@@ -223,6 +228,20 @@ def test_store_into_fp8_cache_saturates(dtype: torch.dtype) -> None:
 def test_silu_and_mul(dtype: torch.dtype) -> None:
     x = (3 * torch.randn(5, 2 * 1100)).to(dtype)  # two column tiles, the second partial
     _close(silu_and_mul_triton(x), silu_and_mul_ref(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gelu_tanh_and_mul(dtype: torch.dtype) -> None:
+    """Gemma 2's gate against the reference (transformers' gelu_pytorch_tanh): two column tiles, the second partial,
+    and saturated gates, whose GELU is -0 or the gate itself, never NaN."""
+    x = (3 * torch.randn(5, 2 * 1100)).to(dtype)
+    x[0, :4] = torch.tensor([-60.0, 60.0, -1e4, 1e4])
+    out = gelu_tanh_and_mul_triton(x)
+    assert not out.isnan().any()
+    _close(out, gelu_tanh_and_mul_ref(x))
+    gate, up = x.float().chunk(2, dim=-1)
+    tanh_form = 0.5 * gate * (1 + torch.tanh((2 / math.pi) ** 0.5 * (gate + 0.044715 * gate**3))) * up
+    _close(gelu_tanh_and_mul_ref(x), tanh_form.to(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -27,7 +27,12 @@ import triton.language as tl  # noqa: E402
 
 from tests.utils import CUDA_ONLY, attention_metadata, relative_error  # noqa: E402
 from tinyvllm.ops import kv_pool  # noqa: E402
-from tinyvllm.ops.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
+from tinyvllm.ops.activation import (  # noqa: E402
+    gelu_tanh_and_mul_ref,
+    gelu_tanh_and_mul_triton,
+    silu_and_mul_ref,
+    silu_and_mul_triton,
+)
 from tinyvllm.ops.attention import AttentionMetadata, paged_attention_ref, paged_attention_triton  # noqa: E402
 from tinyvllm.ops.bitmask import apply_token_bitmask_ref, apply_token_bitmask_triton  # noqa: E402
 from tinyvllm.ops.cascade_attention import cascade_attention_triton  # noqa: E402
@@ -222,6 +227,14 @@ def test_silu_and_mul(dtype: torch.dtype, tokens: int) -> None:
     gate_up = (2 * torch.randn(tokens, 2 * INTERMEDIATE, device=DEVICE)).to(dtype)
     assert_close(f"silu_and_mul T={tokens} {short(dtype)}", poisoned(silu_and_mul_triton, gate_up),
                  silu_and_mul_ref(gate_up.float()), dtype)
+
+
+@pytest.mark.parametrize("tokens", TOKEN_COUNTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul(dtype: torch.dtype, tokens: int) -> None:
+    gate_up = (2 * torch.randn(tokens, 2 * INTERMEDIATE, device=DEVICE)).to(dtype)
+    assert_close(f"gelu_tanh_and_mul T={tokens} {short(dtype)}", poisoned(gelu_tanh_and_mul_triton, gate_up),
+                 gelu_tanh_and_mul_ref(gate_up.float()), dtype)
 
 
 @pytest.mark.parametrize("tokens", TOKEN_COUNTS)

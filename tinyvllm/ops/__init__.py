@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tinyvllm.ops.activation import silu_and_mul_ref
+from tinyvllm.ops.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from tinyvllm.ops.attention import AttentionMetadata, paged_attention_ref
 from tinyvllm.ops.bitmask import apply_token_bitmask_ref
 from tinyvllm.ops.cascade_attention import cascade_attention_ref, window_allows_cascade
@@ -45,6 +45,7 @@ __all__ = [
     "fused_add_rms_norm",
     "rope_store",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
     "paged_attention",
     "per_channel_scale",
     "kv_pool",
@@ -139,6 +140,7 @@ fused_add_rms_norm = _dispatch("fused_add_rms_norm", fused_add_rms_norm_ref)
 quantize_fp8_per_token = _dispatch("quantize_fp8_per_token", quantize_fp8_per_token)
 rope_store = _dispatch("rope_store", rope_store_ref)
 silu_and_mul = _dispatch("silu_and_mul", silu_and_mul_ref)
+gelu_tanh_and_mul = _dispatch("gelu_tanh_and_mul", gelu_tanh_and_mul_ref)
 _plain_attention = _dispatch("paged_attention", paged_attention_ref)
 _cascade_attention = _dispatch("cascade_attention", cascade_attention_ref)
 

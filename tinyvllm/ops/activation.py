@@ -1,5 +1,6 @@
-"""SiLU-and-mul, the gate of Llama's MLP: out = silu(x[:, :I]) * x[:, I:], each row first scaled by a RowNorm's
-factor when the RMSNorm before gate_up is folded into it."""
+"""The gates of gated MLPs, on the merged gate_up product x [T, 2I]: SiLU-and-mul (Llama's), out = silu(x[:, :I]) *
+x[:, I:], each row first scaled by a RowNorm's factor when the RMSNorm before gate_up is folded into it; and
+GELU(tanh)-and-mul (Gemma 2's), out = gelu_tanh(x[:, :I]) * x[:, I:]."""
 
 import torch
 import torch.nn.functional as F
@@ -61,4 +62,46 @@ def silu_and_mul_triton(x: torch.Tensor, norm: RowNorm | None = None) -> torch.T
                                    stream.shape[1], eps, BLOCK=block, NORM=norm is not None,
                                    BLOCK_HIDDEN=block_hidden, num_warps=4 if block <= 1024 else 8,
                                    **pdl_options(x2))
+    return out.reshape(*x.shape[:-1], inter)
+
+
+def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] (gate then up) -> [T, I]: GELU with the tanh approximation (transformers' gelu_pytorch_tanh) of the
+    gate times up, in float32, rounded once to x's dtype."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (F.gelu(gate, approximate="tanh") * up).to(x.dtype)
+
+
+if triton is not None:
+
+    # out[t, i] = gelu_tanh(g) * u with g = x[t, i], u = x[t, I + i], in float32, where
+    # gelu_tanh(g) = g/2 * (1 + tanh(c)), c = sqrt(2/pi) * (g + 0.044715 g^3); and 1 + tanh(c) = 2 / (1 + exp(-2c)),
+    # so gelu_tanh(g) = g / (1 + exp(-2c)): one exp, and no overflow to NaN (exp(-2c) -> inf gives -0, as the
+    # saturated tanh does). One program per (token, column tile).
+    @triton.jit
+    def _gelu_tanh_and_mul_kernel(out_ptr, x_ptr, inter, stride_x, stride_out, BLOCK: tl.constexpr,
+                                  USE_PDL: tl.constexpr):
+        pdl_wait(USE_PDL)
+        token = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < inter
+        gate = tl.load(x_ptr + token * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + token * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+        c = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2/pi) * (g + 0.044715 g^3)
+        out = gate / (1.0 + tl.exp(-2.0 * c)) * up
+        tl.store(out_ptr + token * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gelu_tanh_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    """The Triton kernel of gelu_tanh_and_mul_ref: x [T, 2I] -> [T, I]."""
+    inter = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * inter)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty((x2.shape[0], inter), dtype=x.dtype, device=x.device)
+    if x2.shape[0] > 0:
+        block = min(triton.next_power_of_2(inter), 1024)
+        grid = (x2.shape[0], triton.cdiv(inter, block))
+        _gelu_tanh_and_mul_kernel[grid](out, x2, inter, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+                                        **pdl_options(x2))
     return out.reshape(*x.shape[:-1], inter)

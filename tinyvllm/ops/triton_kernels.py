@@ -8,7 +8,7 @@ from typing import Any
 
 import triton  # noqa: F401  (fail here, not at the first call, where Triton is missing)
 
-from tinyvllm.ops.activation import silu_and_mul_triton
+from tinyvllm.ops.activation import gelu_tanh_and_mul_triton, silu_and_mul_triton
 from tinyvllm.ops.attention import paged_attention_triton
 from tinyvllm.ops.bitmask import apply_token_bitmask_triton
 from tinyvllm.ops.cascade_attention import cascade_attention_triton
@@ -25,6 +25,7 @@ KERNELS: dict[str, Callable[..., Any]] = {
     "fused_add_rms_norm": fused_add_rms_norm_triton,
     "rope_store": rope_store_triton,
     "silu_and_mul": silu_and_mul_triton,
+    "gelu_tanh_and_mul": gelu_tanh_and_mul_triton,
     "paged_attention": paged_attention_triton,
     "cascade_attention": cascade_attention_triton,
     "sample": sample_triton,
