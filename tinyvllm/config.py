@@ -27,6 +27,14 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "MistralForCausalLM",
     "Qwen2ForCausalLM": "Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM": "Gemma2ForCausalLM",
+}
+
+# The ModelConfig fields whose default, where config.json leaves them out, is not Llama's: transformers' config class
+# of the family has its own (Gemma 2's checkpoints carry no tie_word_embeddings, and tie them).
+ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Gemma2ForCausalLM": dict(tie_word_embeddings=True, rms_norm_eps=1e-6, head_dim=256,
+                              max_position_embeddings=8192),
 }
 
 
@@ -171,6 +179,7 @@ class ModelConfig:
         if not isinstance(architectures, list) or not isinstance(architectures[0], str):
             raise ConfigError(f"'architectures' must be a list of class names, not {architectures!r}")
         architecture = check_architecture(architectures[0])
+        config_json, hf = hf, {**ARCHITECTURE_DEFAULTS.get(architecture, {}), **hf}
         num_heads = _positive_int(hf, "num_attention_heads")
         hidden = _positive_int(hf, "hidden_size")
         # transformers 5 moved rope_theta/rope_scaling into rope_parameters.
@@ -211,7 +220,7 @@ class ModelConfig:
                           if hf.get("quantization_config") is not None else None),
             bos_token_id=bos,
             eos_token_ids=_token_ids(hf.get("eos_token_id")),
-            hf_config=dict(hf),
+            hf_config=dict(config_json),
         )
 
 

@@ -35,9 +35,11 @@ from tinyvllm.ops import AttentionMetadata
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, qkv_bias: bool | None = None,
-                 o_bias: bool | None = None, sliding_window: int | None = None) -> None:
+                 o_bias: bool | None = None, sliding_window: int | None = None, scale: float | None = None,
+                 logit_softcap: float | None = None) -> None:
         """qkv_bias, o_bias: whether the products have biases (default: config.attention_bias, as Llama's);
-        sliding_window: the tokens each one attends to, itself included (None: its whole context)."""
+        sliding_window: the tokens each one attends to, itself included (None: its whole context); scale: of the
+        scores (default head_dim ** -0.5); logit_softcap: the scores capped to cap * tanh(score / cap) (None: not)."""
         super().__init__()
         head_dim = config.head_dim
         qkv_bias = config.attention_bias if qkv_bias is None else qkv_bias
@@ -46,8 +48,9 @@ class LlamaAttention(nn.Module):
                                           qkv_bias, tp)
         self.o_proj = RowParallelLinear(config.num_heads * head_dim, config.hidden_size, o_bias, tp, "o")
         # This rank's heads: num_heads / tp.size query heads and the num_kv_heads / tp.size KV heads they share.
-        self.attn = Attention(tp.split(config.num_heads), tp.split(config.num_kv_heads), head_dim, head_dim**-0.5,
-                              sliding_window=sliding_window)
+        self.attn = Attention(tp.split(config.num_heads), tp.split(config.num_kv_heads), head_dim,
+                              head_dim**-0.5 if scale is None else scale, sliding_window=sliding_window,
+                              logit_softcap=logit_softcap)
 
     def forward(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """o_proj(attention(qkv)), for a qkv_proj output whose q is rotated and whose k and v are in the cache (the

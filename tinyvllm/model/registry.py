@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from tinyvllm.config import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError, check_architecture
+from tinyvllm.model.gemma2 import Gemma2ForCausalLM
 from tinyvllm.model.interface import CausalLM
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.model.mistral import MistralForCausalLM
@@ -11,6 +12,7 @@ from tinyvllm.model.qwen2 import Qwen2ForCausalLM
 from tinyvllm.model.qwen3 import Qwen3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
