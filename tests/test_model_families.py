@@ -1,7 +1,9 @@
-"""The families beside Llama (Qwen2, Qwen3, Mistral) against transformers' own classes on random-weight configs
-unlike each other (head dims 64 and 128, GQA and MHA, tied and untied embeddings, Qwen3's head_dim apart from
-hidden / heads): float32 logits within 1e-4 over a prefill, and 32 greedy tokens identical; and sliding windows
-shorter than the prompt."""
+"""The families beside Llama (Qwen2, Qwen3, Mistral, Gemma 2) against transformers' own classes on random-weight
+configs unlike each other (head dims 64 and 128, GQA and MHA, tied and untied embeddings, a head_dim apart from
+hidden / heads): float32 logits within 1e-4 over a prefill, 32 greedy tokens identical, and the logprobs of sampled
+and prompt tokens as transformers' log-softmax; and sliding windows shorter than the prompt. Gemma 2's configs set
+both soft caps low enough to bite on random weights, a query_pre_attn_scalar apart from head_dim and a window
+shorter than the prompts, so its alternation of sliding and full layers matters."""
 
 from __future__ import annotations
 
@@ -27,7 +29,17 @@ CONFIGS = {
                                             head_dim=64, tie_word_embeddings=False)),
     "mistral-gqa-untied-hd64": ("Mistral", dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
                                                 tie_word_embeddings=False, sliding_window=None)),
+    "gemma2-gqa-tied-hd64": ("Gemma2", dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                            head_dim=64, tie_word_embeddings=True, query_pre_attn_scalar=48,
+                                            sliding_window=8, attn_logit_softcapping=5.0,
+                                            final_logit_softcapping=3.0)),
+    "gemma2-mha-untied-hd128": ("Gemma2", dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
+                                               head_dim=128, tie_word_embeddings=False, query_pre_attn_scalar=100,
+                                               sliding_window=16, attn_logit_softcapping=8.0,
+                                               final_logit_softcapping=4.0)),
 }
+# Gemma 2 in the checks of one shape below: caps and a window that bite, a head_dim apart from hidden / heads
+GEMMA2 = dict(head_dim=48, query_pre_attn_scalar=40, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
 
 
 def _save(path: str, family: str, seed: int, **config: object) -> str:
@@ -36,7 +48,7 @@ def _save(path: str, family: str, seed: int, **config: object) -> str:
     torch.manual_seed(seed)
     hf_config = getattr(transformers, f"{family}Config")(**{**BASE, **config})
     model = getattr(transformers, f"{family}ForCausalLM")(hf_config)
-    draw_norm_weights(model)  # (q_norm and k_norm too)
+    draw_norm_weights(model)  # (q_norm and k_norm too; Gemma 2's four norms a layer, which scale by 1 + w)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias"):
@@ -72,12 +84,33 @@ def test_greedy_tokens_match_transformers(family) -> None:
     assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 32)
 
 
-@pytest.mark.parametrize("family_name", ["Qwen2", "Qwen3"])
-def test_two_ranks_chunks_and_async_scheduling_give_the_same_tokens(tmp_path, family_name: str) -> None:
-    """Tensor parallelism (each rank its heads: Qwen2's biases and Qwen3's q/k norms split or shared alike), chunked
-    prefill beside decodes and async scheduling: one rank's greedy tokens."""
+def test_logprobs_match_transformers(family) -> None:
+    """The logprobs of the sampled tokens and of the prompt's (each logits path: Gemma 2's final soft cap in each)
+    are transformers' log-softmax of its logits, a 20-token prompt then 6 greedy tokens."""
+    llm, hf = family
+    prompt = [(13 * j + 3) % 250 + 2 for j in range(20)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    output = llm.generate([prompt], params, use_tqdm=False)[0]
+    tokens = output.outputs[0].token_ids
+    ids = prompt + tokens
+    with torch.inference_mode():
+        expected = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    assert output.prompt_logprobs[0] is None
+    for position in range(1, len(ids)):
+        entry = (output.prompt_logprobs[position] if position < len(prompt)
+                 else output.outputs[0].logprobs[position - len(prompt)])
+        token = ids[position]
+        assert abs(entry[token].logprob - expected[position - 1, token].item()) < 1e-4, position
+
+
+@pytest.mark.parametrize("family_name,config", [("Qwen2", {}), ("Qwen3", {}), ("Gemma2", dict(GEMMA2,
+                                                                                              sliding_window=8))])
+def test_two_ranks_chunks_and_async_scheduling_give_the_same_tokens(tmp_path, family_name: str, config: dict) -> None:
+    """Tensor parallelism (each rank its heads: Qwen2's biases and Qwen3's q/k norms split or shared alike, Gemma 2's
+    logits capped after the ranks' vocabulary slices are gathered), chunked prefill beside decodes (across Gemma 2's
+    window) and async scheduling: one rank's greedy tokens, and for Gemma 2 transformers' too."""
     path = _save(str(tmp_path / family_name), family_name, 3, hidden_size=128, num_attention_heads=4,
-                 num_key_value_heads=2)
+                 num_key_value_heads=2, **config)
     prompts = [[(7 * i + j) % 200 + 2 for j in range(3 + 11 * i)] for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     results = []
@@ -88,13 +121,25 @@ def test_two_ranks_chunks_and_async_scheduling_give_the_same_tokens(tmp_path, fa
         finally:
             llm.llm_engine.shutdown()
     assert results[0] == results[1] == results[2]
+    if family_name == "Gemma2":
+        import transformers
+
+        hf = transformers.Gemma2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        assert results[0] == [hf_greedy(hf, prompt, 12) for prompt in prompts]
 
 
-@pytest.mark.parametrize("family_name,window", [("Mistral", dict(sliding_window=8)), (
-    "Qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1))])
-def test_sliding_windows_shorter_than_the_prompt_match_transformers(tmp_path, family_name: str, window: dict) -> None:
-    """A window of 8 tokens under a 40-token prompt: in every layer (Mistral), or from max_window_layers on (Qwen2:
-    its first layer sees the whole context); logits within 1e-4 and greedy tokens as transformers'."""
+@pytest.mark.parametrize("family_name,window,windows", [
+    ("Mistral", dict(sliding_window=8), [8, 8]),
+    ("Qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), [None, 8]),
+    ("Gemma2", dict(GEMMA2, sliding_window=8, num_hidden_layers=3), [8, None, 8]),
+    ("Gemma2", dict(GEMMA2, sliding_window=8, num_hidden_layers=3,
+                    layer_types=["full_attention", "sliding_attention", "sliding_attention"]), [None, 8, 8]),
+])
+def test_sliding_windows_shorter_than_the_prompt_match_transformers(tmp_path, family_name: str, window: dict,
+                                                                     windows: list) -> None:
+    """A window of 8 tokens under a 40-token prompt: in every layer (Mistral), from max_window_layers on (Qwen2:
+    its first layer sees the whole context), in the even layers or those its layer_types name (Gemma 2); logits
+    within 1e-4 and greedy tokens as transformers'."""
     import transformers
 
     path = _save(str(tmp_path / family_name), family_name, 4, hidden_size=128, num_attention_heads=2,
@@ -102,8 +147,7 @@ def test_sliding_windows_shorter_than_the_prompt_match_transformers(tmp_path, fa
     hf = getattr(transformers, f"{family_name}ForCausalLM").from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(path, skip_tokenizer_init=True, device="cpu", num_kv_blocks=32, max_num_batched_tokens=16)
     layers = llm.llm_engine.engine_core.model_runner.model.model.layers
-    windows = [layer.self_attn.attn.sliding_window for layer in layers]
-    assert windows == ([8, 8] if family_name == "Mistral" else [None, 8])
+    assert [layer.self_attn.attn.sliding_window for layer in layers] == windows
     prompt = [(11 * j + 5) % 250 + 2 for j in range(40)]
     with torch.inference_mode():
         ref = hf(torch.tensor([prompt])).logits[0].float()
@@ -122,3 +166,28 @@ def test_an_unsupported_architecture_names_the_supported_ones(tmp_path) -> None:
     json.dump(config, open(os.path.join(path, "config.json"), "w"))
     with pytest.raises(ConfigError, match="Qwen3ForCausalLM"):
         LLM(path, skip_tokenizer_init=True, device="cpu", num_kv_blocks=8)
+
+
+def test_a_gemma2_config_json_without_its_optional_fields_reads_as_transformers_does() -> None:
+    """Gemma 2's checkpoints leave out tie_word_embeddings (and may leave out more): what they leave out takes
+    transformers' Gemma2Config defaults, not Llama's (tied embeddings, head_dim 256, the soft caps, the window on
+    the even layers, query_pre_attn_scalar 256); and an activation other than GELU-tanh is refused."""
+    import transformers
+
+    from tinyvllm.config import ModelConfig
+    from tinyvllm.model.gemma2 import Gemma2ForCausalLM
+
+    fields = dict(architectures=["Gemma2ForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=2)
+    config, hf = ModelConfig.from_hf_dict(fields), transformers.Gemma2Config(**fields)
+    assert (config.tie_word_embeddings, config.head_dim, config.rms_norm_eps, config.max_position_embeddings) == (
+        hf.tie_word_embeddings, hf.head_dim, hf.rms_norm_eps, hf.max_position_embeddings)
+    model = Gemma2ForCausalLM(config, max_positions=64)
+    assert model.lm_head is None and model.final_logit_softcap == hf.final_logit_softcapping
+    attention = [layer.self_attn.attn for layer in model.model.layers]
+    assert [a.sliding_window for a in attention] == [
+        hf.sliding_window if kind == "sliding_attention" else None for kind in hf.layer_types]
+    assert [a.logit_softcap for a in attention] == [hf.attn_logit_softcapping] * 2
+    assert attention[0].scale == hf.query_pre_attn_scalar**-0.5
+    with pytest.raises(ConfigError, match="gelu_pytorch_tanh"):
+        Gemma2ForCausalLM(ModelConfig.from_hf_dict({**fields, "hidden_activation": "relu"}), max_positions=64)
