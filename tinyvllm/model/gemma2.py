@@ -158,8 +158,10 @@ class Gemma2ForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """CausalLM's logits, soft-capped: cap * tanh(logits / cap), in place in the logits' dtype, each step
-        rounded as transformers rounds it. (greedy_tokens stays CausalLM's: the cap is monotonic, so the argmax of
-        the raw logits is that of the capped ones, but where rounding the capped values ties two of them.)"""
+        rounded as transformers rounds it. greedy_tokens stays CausalLM's (the fused LM head, which writes no
+        logits): the cap is monotonic, so the raw logits' argmax is the capped ones', save where rounding the capped
+        values ties the top two, and then it picks the larger raw logit where argmax of the capped takes the lower
+        id."""
         logits = super().compute_logits(hidden)
         if logits is not None and self.final_logit_softcap is not None:
             cap = self.final_logit_softcap
