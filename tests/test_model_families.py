@@ -191,3 +191,29 @@ def test_a_gemma2_config_json_without_its_optional_fields_reads_as_transformers_
     assert attention[0].scale == hf.query_pre_attn_scalar**-0.5
     with pytest.raises(ConfigError, match="gelu_pytorch_tanh"):
         Gemma2ForCausalLM(ModelConfig.from_hf_dict({**fields, "hidden_activation": "relu"}), max_positions=64)
+
+
+def test_gemma_norm_loads_one_plus_w_and_folds_as_llamas() -> None:
+    """GemmaRMSNorm holds 1 + w (float32, whatever the model's dtype), so the shared norm op gives transformers'
+    Gemma2RMSNorm, and RMSNorm.fold_into, which folds the weight it holds, stays exact for it."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    from tinyvllm.model.gemma2 import GemmaRMSNorm
+    from tinyvllm.model.layers import Linear
+
+    torch.manual_seed(5)
+    reference = Gemma2RMSNorm(96, eps=1e-6)
+    with torch.no_grad():
+        reference.weight.normal_(0, 0.5)
+    for dtype in (torch.float32, torch.bfloat16):
+        norm = GemmaRMSNorm(96, 1e-6)
+        norm.weight.weight_loader(norm.weight, reference.weight.detach().to(dtype))
+        assert norm.weight.dtype == torch.float32
+        x = torch.randn(5, 96).to(dtype)
+        torch.testing.assert_close(norm(x)[0], reference.to(dtype)(x), atol=0, rtol=0)
+    linear = Linear(96, 32)
+    linear.weight.data = torch.randn(32, 96)
+    x = torch.randn(5, 96)
+    unfolded = linear(norm(x)[0])
+    norm.fold_into(linear)
+    torch.testing.assert_close(linear(norm(x)[0]), unfolded, atol=1e-5, rtol=1e-5)
