@@ -17,6 +17,8 @@ from tinyvllm import LLM, SamplingParams
 from tinyvllm.config import ConfigError
 from tinyvllm.entrypoints.bench_offline import draw_norm_weights
 
+# transformers' eager attention: the one of its implementations that applies Gemma 2's soft cap in every version
+HF_ARGS = dict(dtype=torch.float32, attn_implementation="eager")
 BASE = {k: v for k, v in TINY.items() if k not in ("hidden_size", "num_attention_heads", "num_key_value_heads")}
 CONFIGS = {
     "qwen2-gqa-tied-hd64": ("Qwen2", dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
@@ -63,7 +65,7 @@ def family(request, tmp_path_factory) -> tuple[LLM, object]:
 
     name, config = CONFIGS[request.param]
     path = _save(str(tmp_path_factory.mktemp(request.param)), name, seed=len(request.param), **config)
-    hf = getattr(transformers, f"{name}ForCausalLM").from_pretrained(path, dtype=torch.float32).eval()
+    hf = getattr(transformers, f"{name}ForCausalLM").from_pretrained(path, **HF_ARGS).eval()
     return LLM(path, skip_tokenizer_init=True, device="cpu", num_kv_blocks=64), hf
 
 
@@ -124,7 +126,7 @@ def test_two_ranks_chunks_and_async_scheduling_give_the_same_tokens(tmp_path, fa
     if family_name == "Gemma2":
         import transformers
 
-        hf = transformers.Gemma2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        hf = transformers.Gemma2ForCausalLM.from_pretrained(path, **HF_ARGS).eval()
         assert results[0] == [hf_greedy(hf, prompt, 12) for prompt in prompts]
 
 
@@ -144,7 +146,7 @@ def test_sliding_windows_shorter_than_the_prompt_match_transformers(tmp_path, fa
 
     path = _save(str(tmp_path / family_name), family_name, 4, hidden_size=128, num_attention_heads=2,
                  num_key_value_heads=1, **window)
-    hf = getattr(transformers, f"{family_name}ForCausalLM").from_pretrained(path, dtype=torch.float32).eval()
+    hf = getattr(transformers, f"{family_name}ForCausalLM").from_pretrained(path, **HF_ARGS).eval()
     llm = LLM(path, skip_tokenizer_init=True, device="cpu", num_kv_blocks=32, max_num_batched_tokens=16)
     layers = llm.llm_engine.engine_core.model_runner.model.model.layers
     assert [layer.self_attn.attn.sliding_window for layer in layers] == windows

@@ -50,7 +50,8 @@ def gemma2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, obje
     model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**SHAPE))
     draw_norm_weights(model)
     model.save_pretrained(path)
-    hf = transformers.Gemma2ForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    hf = transformers.Gemma2ForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                        attn_implementation="eager").cuda().eval()
     yield path, hf
     del hf
     free_gpu_memory()
@@ -83,7 +84,7 @@ def test_float32_greedy_tokens_match_transformers(gemma2, enforce_eager: bool) -
     llm = LLM(path, dtype="float32", enforce_eager=enforce_eager, async_scheduling=not enforce_eager, **ENGINE_ARGS)
     try:
         params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
-        expected = [hf_greedy(_OnDevice(hf), prompt, NUM_TOKENS) for prompt in PROMPTS]
+        expected = [hf_greedy(hf, prompt, NUM_TOKENS) for prompt in PROMPTS]
         alone = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids
         batch = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         assert alone == expected[0]
@@ -91,13 +92,3 @@ def test_float32_greedy_tokens_match_transformers(gemma2, enforce_eager: bool) -
     finally:
         del llm
         free_gpu_memory()
-
-
-class _OnDevice:
-    """transformers' model called on host token tensors (as tests.utils.hf_greedy makes them), run on the GPU."""
-
-    def __init__(self, model: object) -> None:
-        self.model = model
-
-    def __call__(self, ids: torch.Tensor) -> object:
-        return self.model(ids.cuda())

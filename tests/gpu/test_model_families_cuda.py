@@ -1,7 +1,7 @@
 """The families beside Llama on a CUDA GPU (Triton kernels, CUDA graphs), against transformers in float32 on the same
 GPU, on tests/test_model_families.py's random-weight configs: our logits over a prefill in float32 (within 1e-3)
-and in bfloat16 (within bfloat16's 2e-2), and 32 greedy tokens in float32 through the default fast path; and the
-sliding windows shorter than the prompt, chunked across steps.
+and in bfloat16 (within 3e-2, test_engine_cuda's bfloat16 tolerance), and 32 greedy tokens in float32 through the
+default fast path; and the sliding windows shorter than the prompt, chunked across steps.
 
     python -m pytest -m cuda tests/gpu/test_model_families_cuda.py -ra      (on a GPU machine; skipped elsewhere)
 """
@@ -26,7 +26,9 @@ ENGINE_ARGS = dict(skip_tokenizer_init=True, gpu_memory_utilization=0.2, max_mod
 def _hf(path: str, family: str):
     import transformers
 
-    return getattr(transformers, f"{family}ForCausalLM").from_pretrained(path, dtype=torch.float32).cuda().eval()
+    # (eager attention: the one of transformers' implementations that applies Gemma 2's soft cap in every version)
+    return getattr(transformers, f"{family}ForCausalLM").from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").cuda().eval()
 
 
 def _free(llm: LLM) -> None:
@@ -44,7 +46,7 @@ def test_logits_and_greedy_tokens_match_transformers(tmp_path, name: str) -> Non
     prompts = [[rng.randrange(256) for _ in range(length)] for length in (1, 9, 70)]
     with torch.inference_mode():
         refs = [hf(torch.tensor([ids], device="cuda")).logits[0].float().cpu() for ids in prompts]
-    for dtype, tolerance in (("float32", 1e-3), ("bfloat16", 2e-2)):
+    for dtype, tolerance in (("float32", 1e-3), ("bfloat16", 3e-2)):
         llm = LLM(path, dtype=dtype, **ENGINE_ARGS)
         for ids, ref in zip(prompts, refs):
             error = relative_error(our_logits(llm, ids).float().cpu(), ref)
