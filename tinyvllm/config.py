@@ -296,6 +296,69 @@ def check_tensor_parallel_size(config: ModelConfig, tensor_parallel_size: int, d
             raise ConfigError(f"tensor_parallel_size={size} needs {size} GPUs, but {available} are visible")
 
 
+# speculative_config's methods (vLLM's names): "ngram" proposes by prompt lookup; "draft_model" is vLLM's too, not
+# built here yet.
+SPECULATIVE_METHODS = ("ngram",)
+_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's speculative_config): at each step a proposer guesses up to num_speculative_tokens
+    next tokens of each decoding sequence, and the target model verifies them in the same forward pass, so a step
+    may give a sequence several tokens, with the output distribution unchanged. method "ngram" (prompt lookup): the
+    tokens that followed the latest prompt_lookup_max .. prompt_lookup_min tokens where they occurred before in the
+    sequence's prompt or output (spec_decode/ngram_proposer.py). vLLM's defaults: both lookup bounds 5, or the one
+    given."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """The config from speculative_config: a dict, or its JSON text (--speculative-config); None for none.
+        Anything we cannot run is a ConfigError that says what can."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"speculative_config is not valid JSON ({e.msg} at column {e.colno}): give an "
+                                  """object such as '{"method": "ngram", "num_speculative_tokens": 4}'""") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config must be an object (a dict, or JSON text), not {value!r}")
+        unknown = [key for key in value if key not in _SPECULATIVE_KEYS]
+        if unknown:
+            raise ConfigError("speculative_config: " + "; ".join(
+                _unknown_argument(key, list(_SPECULATIVE_KEYS)).replace("engine argument", "key") for key in unknown))
+        method = value.get("method")
+        if method == "draft_model" or (method is None and value.get("model") is not None):
+            raise ConfigError("speculative_config: method 'draft_model' is not built yet in tinyvllm; use "
+                              """{"method": "ngram", "num_speculative_tokens": K} (prompt lookup, no draft model)""")
+        if method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}, not "
+                              f"{method!r}")
+        if value.get("model") is not None:
+            raise ConfigError("speculative_config: method 'ngram' takes no 'model' (it proposes from the sequence's "
+                              "own tokens)")
+        k = value.get("num_speculative_tokens")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError(f"speculative_config: num_speculative_tokens must be a positive integer (the tokens "
+                              f"proposed per step, say 2 to 8), not {k!r}")
+        low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        low, high = (5, 5) if low is None and high is None else (high if low is None else low,
+                                                                 low if high is None else high)
+        for name, n in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ConfigError(f"speculative_config: {name} must be a positive integer, not {n!r}")
+        if low > high:
+            raise ConfigError(f"speculative_config: prompt_lookup_min={low} is more than prompt_lookup_max={high}")
+        return cls(method, k, low, high)
+
+
 # kv_cache_dtype's choices, as vLLM's --kv-cache-dtype names them -> the cache's torch dtype (None: the model's).
 # fp8 stores e4m3 with no scale factors (vLLM's default k_scale = v_scale = 1.0): a value is rounded to e4m3,
 # saturating at +-448 (ops/rotary.py's to_cache_dtype_ref), and the kernels read it back as the query's dtype.
@@ -353,6 +416,10 @@ class EngineConfig:
                                         "CPU)", aliases=("-tp",))
     skip_tokenizer_init: bool = _arg(False, "load no tokenizer (a random-weight model has none): prompts and outputs "
                                             "are token ids")
+    speculative_config: dict[str, Any] | str | None = _arg(
+        None, "speculative decoding, as JSON (vLLM's keys): '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+              "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' proposes tokens by prompt lookup and verifies "
+              "them in one step (output unchanged; async scheduling off); none: off", type=str)
     seed: int = _arg(0, "seed of the draws of requests that give none")
     max_n: int = _arg(128, "most completions one request may ask for (n, best_of): one request's sequences share "
                            "the engine with everyone else's (OpenAI's limit is 128)")
@@ -379,6 +446,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
                               f"not {self.kv_cache_dtype!r}")
+        if self.resolve_speculative() is not None and self.async_scheduling:
+            raise ConfigError("speculative decoding runs without async scheduling for now (a step's accepted tokens "
+                              "are read back before the next is scheduled): leave async_scheduling unset or false")
         if self.quantization not in (None, *QUANTIZATION_METHODS):
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or none), "
                               f"not {self.quantization!r}")
@@ -436,7 +506,14 @@ class EngineConfig:
             check_fp8_capability(torch.cuda.get_device_capability(device), what="float8 weights")
         return quantization
 
+    def resolve_speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
+
     def resolve_async_scheduling(self, device: torch.device) -> bool:
+        """On for CUDA unless asked otherwise; off with speculative decoding, whose next step's proposals need the
+        tokens the step before accepted."""
+        if self.speculative_config is not None:
+            return False
         return device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
 
     def resolve_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -471,6 +548,7 @@ class Config:
     dtype: torch.dtype
     max_model_len: int
     quantization: QuantizationConfig | None = None
+    speculative: SpeculativeConfig | None = None
 
 
 def check_fp8_capability(capability: tuple[int, int], kv_cache_dtype: str = "fp8", what: str | None = None) -> None:

@@ -55,9 +55,13 @@ class SchedulerOutput:
     new_block_ids: dict[int, list[int]] = field(default_factory=dict)  # seen sequences' blocks gained since
     # Sequences freed since the last step (finished, aborted or preempted): the runner drops their state.
     finished_seq_ids: list[int] = field(default_factory=list)
-    # Proposed (draft) tokens the step verifies, by sequence (speculative decoding; none are proposed yet): they
-    # are among the sequence's num_new_tokens.
+    # Proposed (draft) tokens the step verifies, by sequence (speculative decoding): the last of the sequence's
+    # num_new_tokens, after its newest token. The runner samples at each of these 1 + k positions and returns the
+    # accepted run (ModelRunnerOutput); both sides then count the rejected ones' slots as not computed.
     scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
+    # Seen sequences whose block tables lost their last blocks since (those of rejected proposals, given back): how
+    # many blocks each keeps, before any of new_block_ids.
+    truncated_block_tables: dict[int, int] = field(default_factory=dict)
     # The sequences that sample in this step under a grammar (structured output): the engine fills their rows of
     # the step's GrammarOutput once their tokens before are known
     structured_seq_ids: list[int] = field(default_factory=list)
@@ -102,7 +106,8 @@ class PromptLogprobsChunk:
 @dataclass
 class ModelRunnerOutput:
     """The tokens a step sampled for each sequence whose last known token was in the step: a list each, of one
-    token, or of several where the step verified proposed tokens and accepted some."""
+    token, or, where the step verified k proposed tokens, the a accepted ones and the token drawn after them (a + 1,
+    a <= k: the other k - a proposals were rejected)."""
 
     seq_ids: list[int]
     sampled_token_ids: list[list[int]]

@@ -155,6 +155,22 @@ class BlockManager:
         seq.block_table = []
         seq.num_registered_blocks = 0
 
+    def free_beyond(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give back seq's blocks past those its first num_tokens tokens need (the slots of rejected proposals);
+        whether it had any. They hold no full block of real tokens, so no hash: they go to the front of the free
+        queue, to be taken first."""
+        keep = self.blocks_needed(num_tokens)
+        if len(seq.block_table) <= keep:
+            return False
+        for block_id in seq.block_table[keep:]:
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count == 0 and block.hash is None, "a block past the computed tokens is seq's own"
+            self.free_queue[block_id] = None
+            self.free_queue.move_to_end(block_id, last=False)
+        del seq.block_table[keep:]
+        return True
+
     def cache_full_blocks(self, seqs: Iterable[Sequence | None]) -> None:
         """cache_computed_blocks for each of a step's sequences (None: one gone since) that has a block newly
         full of computed tokens. (The test is written out here, not left to the call: this runs for every

@@ -33,6 +33,7 @@ from tinyvllm.engine.sequence import Sequence
 from tinyvllm.engine.structured_output import SequenceGrammar, StructuredOutputManager
 from tinyvllm.model.loader import build_model
 from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.spec_decode import make_proposer
 from tinyvllm.tokenizer import load_tokenizer
 from tinyvllm.worker.model_runner import ModelRunner
 from tinyvllm.worker.sampler import AsyncModelRunnerOutput, step_seed
@@ -69,8 +70,11 @@ class EngineCore:
             raise
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
+        speculative = resolved.speculative
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   resolved.max_model_len, config.scheduling)
+                                   resolved.max_model_len, config.scheduling,
+                                   proposer=make_proposer(speculative) if speculative else None,
+                                   num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.structured_output = StructuredOutputManager(lambda: load_tokenizer(resolved.model_path),
                                                          model_config.vocab_size)
@@ -290,4 +294,7 @@ class EngineCore:
             "generation_tokens": self.num_generation_tokens,
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
+            "spec_decode_num_drafts": self.scheduler.num_drafts,
+            "spec_decode_num_draft_tokens": self.scheduler.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.scheduler.num_accepted_tokens,
         }

@@ -39,7 +39,7 @@ def resolve_config(config: EngineConfig) -> tuple[Config, Any]:
         model_config.eos_token_ids = [tokenizer.eos_token_id]
     quantization = config.resolve_quantization(model_config, device)
     return Config(config, model_config, model_path, device, dtype, config.max_model_len or limit,
-                  quantization), tokenizer
+                  quantization, config.resolve_speculative()), tokenizer
 
 
 class LLMEngine:

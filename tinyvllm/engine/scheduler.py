@@ -20,6 +20,13 @@ before that, as if the token were known; the runner takes it from the device. A 
 tokens is not scheduled again, and one whose token is still in flight is not admitted from the queue
 (after a preemption) until the token is known.
 
+With speculative decoding (a proposer), a decoding sequence may get proposed tokens, as many as the proposer finds,
+up to num_speculative_tokens, fewer where the token budget, the KV pool, max_tokens or max_model_len leave less
+room: it computes its newest token and the proposals in one step (SchedulerOutput.scheduled_spec_decode_tokens),
+and gets back the accepted run. The rejected proposals' slots are then not computed any more, and the blocks past
+its tokens are given back, so that the prefix cache never holds a rejected token. A sequence under a grammar, with
+penalties, or short of its min_tokens gets no proposals (the sampler applies those from each row's own tokens).
+
 With scheduling="static", sequences are admitted only when nothing runs, as many as fit, and the
 batch runs to its end before the next one is admitted: it exists to show what continuous buys."""
 
@@ -31,11 +38,13 @@ from collections import deque
 from tinyvllm.contract import EngineCoreOutputs, ModelRunnerOutput, NewSequence, SchedulerOutput
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.sequence import Sequence, SequenceStatus
+from tinyvllm.spec_decode import Proposer
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, policy: str = "continuous", share_prefix_computation: bool = True) -> None:
+                 max_model_len: int, policy: str = "continuous", share_prefix_computation: bool = True,
+                 proposer: Proposer | None = None, num_speculative_tokens: int = 0) -> None:
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.max_num_seqs = max_num_seqs
@@ -54,6 +63,12 @@ class Scheduler:
         self._waiting_with_placeholder = False  # a preempted sequence waits for its token in flight
         self._prompting: list[Sequence] = []  # the sequences with prompt tokens in the step last scheduled
         self._sampling: list[Sequence] = []  # those the step last scheduled gave a placeholder (unschedule)
+        self.proposer = proposer if num_speculative_tokens > 0 else None
+        self.num_speculative_tokens = num_speculative_tokens
+        self._truncated: dict[int, int] = {}  # sequences whose block tables lost blocks since last sent: blocks kept
+        # Speculative decoding's counters (vLLM's metrics): sequence-steps that verified proposals, the proposals,
+        # and those accepted
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq
@@ -85,6 +100,9 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_sent_blocks = -1
         self._freed.append(seq.seq_id)
+        if self.proposer is not None:
+            self._truncated.pop(seq.seq_id, None)
+            self.proposer.forget([seq.seq_id])
 
     # ---- scheduling -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -98,6 +116,7 @@ class Scheduler:
         i = 0
         running = self.running  # (a preemption pops from this same list)
         block_size = self.block_size
+        proposals = self._propose() if self.proposer is not None else None
         while i < len(running) and budget > 0:
             seq = running[i]
             num_tokens, num_computed = seq.num_tokens, seq.num_computed_tokens
@@ -106,6 +125,8 @@ class Scheduler:
                 continue
             # The common case, a decode whose token fits in its last block, needs nothing of the block manager.
             num_new = min(num_tokens - num_computed, budget)
+            if proposals and seq.seq_id in proposals:
+                num_new += self._take_proposals(seq, proposals[seq.seq_id][:budget - 1], len(running) - i, out)
             if num_computed + num_new > len(seq.block_table) * block_size:
                 num_new = self._try_allocate(seq, budget)
             while num_new is None:
@@ -152,6 +173,40 @@ class Scheduler:
             self._describe(out, scheduled)
         return out
 
+    def _propose(self) -> dict[int, list[int]]:
+        """The proposer's tokens for the running sequences about to decode (their newest token is all they have left
+        to compute), at most as many as max_tokens and max_model_len leave room for after the token each step draws
+        anyway."""
+        seqs, limits = [], []
+        k, max_model_len = self.num_speculative_tokens, self.max_model_len
+        for seq in self.running:
+            params = seq.params
+            if (seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_output_placeholders
+                    or seq.grammar is not None or params.has_penalties or seq.num_output_tokens < params.min_tokens):
+                continue
+            limit = min(k, params.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens - 1)
+            if limit > 0:
+                seqs.append(seq)
+                limits.append(limit)
+        if not seqs:
+            return {}
+        drafts = self.proposer.propose([s.seq_id for s in seqs], [s.token_ids for s in seqs], limits)
+        return {seq.seq_id: tokens for seq, tokens in zip(seqs, drafts) if tokens}
+
+    def _take_proposals(self, seq: Sequence, drafts: list[int], num_left: int, out: SchedulerOutput) -> int:
+        """Schedule seq's proposals after its newest token if their slots are there or free blocks are (keeping a
+        block for each running sequence not scheduled yet: proposals never preempt anyone); how many."""
+        if not drafts:
+            return 0
+        end = seq.num_computed_tokens + 1 + len(drafts)
+        bm = self.block_manager
+        if end > len(seq.block_table) * self.block_size:
+            if bm.blocks_needed(end) - len(seq.block_table) > bm.num_free_blocks - num_left or \
+                    not bm.allocate(seq, 1 + len(drafts)):
+                return 0
+        out.scheduled_spec_decode_tokens[seq.seq_id] = drafts
+        return len(drafts)
+
     def cache_launched(self) -> None:
         """Once the step schedule() last returned is launched: the full blocks of its sequences with prompt tokens
         (those it fills, and any earlier ones not cached yet) go into the prefix cache now, not when its tokens are
@@ -184,9 +239,14 @@ class Scheduler:
         seq_ids = out.seq_ids
         self._prompting = prompting = []  # (for cache_launched)
         self._sampling = sampling = []  # (for unschedule)
+        spec, truncated = out.scheduled_spec_decode_tokens, self._truncated
         for seq, num_new in zip(scheduled, out.num_new_tokens):
             seq_ids.append(seq.seq_id)
             num_blocks = len(seq.block_table)
+            if truncated and seq.seq_id in truncated:
+                if seq.num_sent_blocks >= 0:
+                    out.truncated_block_tables[seq.seq_id] = truncated[seq.seq_id]
+                del truncated[seq.seq_id]
             if seq.num_sent_blocks < 0:
                 out.new_seqs.append(NewSequence(
                     seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, seq.num_computed_tokens,
@@ -201,6 +261,8 @@ class Scheduler:
                 self.num_prompt_tokens += min(seq.num_prompt_tokens - num_computed, num_new)
                 prompting.append(seq)
             seq.num_computed_tokens = num_computed = num_computed + num_new
+            if spec and seq.seq_id in spec:  # (its proposals are computed too, after its newest token)
+                num_computed -= len(spec[seq.seq_id])
             if num_computed == len(seq.token_ids) + seq.num_output_placeholders:  # (Sequence.num_tokens)
                 seq.num_output_placeholders += 1
                 sampling.append(seq)
@@ -267,6 +329,7 @@ class Scheduler:
         outputs = EngineCoreOutputs(request_ids, indexes, token_ids)
         finished: list[Sequence] = []
         seqs = self.seqs
+        spec = out.scheduled_spec_decode_tokens
         for seq_id, chunk in result.prompt_logprobs.items():
             seq = seqs.get(seq_id)
             if seq is not None and seq.scores_prompt:  # (what a preempted sequence's recomputation scores again goes)
@@ -280,6 +343,8 @@ class Scheduler:
             if seq is None:  # it stopped at its previous token, or was aborted: these tokens are dropped
                 continue
             seq.num_output_placeholders -= 1
+            if spec and seq_id in spec:
+                self._roll_back_rejected(seq, len(spec[seq_id]), len(new_tokens) - 1)
             for i, token in enumerate(new_tokens):
                 seq.token_ids.append(token)
                 if seq.grammar is not None:
@@ -309,6 +374,18 @@ class Scheduler:
             self.waiting = deque(s for s in self.waiting if not s.is_finished)
             self._waiting_with_placeholder = False
         return outputs
+
+    def _roll_back_rejected(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """seq verified num_drafts proposals and accepted the first num_accepted: the others' slots are not computed
+        (the next step writes over them), and the blocks past the tokens it will have after this step are given
+        back (the runner is told with its next step: SchedulerOutput.truncated_block_tables)."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        seq.num_computed_tokens -= num_drafts - num_accepted
+        if self.block_manager.free_beyond(seq, seq.num_tokens + num_accepted + 1):
+            seq.num_sent_blocks = min(seq.num_sent_blocks, len(seq.block_table))
+            self._truncated[seq.seq_id] = len(seq.block_table)
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         """Finish seq if its new token is a stop token or its last; whether it did."""

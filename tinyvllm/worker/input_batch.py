@@ -123,3 +123,19 @@ class InputBatch:
         with_penalties = np.flatnonzero(self.needs[rows] & PENALTIES)
         for i in with_penalties.tolist():
             self.token_ids[int(rows[i])].append(int(token_ids[i]))
+
+    def record_verified(self, rows: np.ndarray, seq_ids: np.ndarray, tokens: list[list[int]],
+                        num_drafts: list[int]) -> None:
+        """A verification step's tokens, read back (rejection_sampler.Verification): sequence seq_ids[i], at row
+        rows[i] when launched, verified num_drafts[i] proposals and got tokens[i], the accepted ones and one more.
+        The step counted one token and every proposal's slot: the rest are counted now, the rejected slots taken
+        off (the next step writes over them)."""
+        for row, seq_id, new, drafts in zip(rows.tolist(), seq_ids.tolist(), tokens, num_drafts):
+            if self.seq_ids[row] != seq_id:
+                continue
+            self.last_token[row] = new[-1]
+            self.num_known[row] += len(new)
+            self.num_tokens[row] += len(new) - 1
+            self.num_computed[row] -= drafts - (len(new) - 1)
+            if self.needs[row] & PENALTIES:
+                self.token_ids[row].extend(new)

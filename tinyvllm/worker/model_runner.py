@@ -3,7 +3,13 @@ updates its own state of the sequences it holds (input_batch.py), builds the bat
 (the path of its forward pass: a CUDA graph for decode steps and for one sequence's prompt steps, graphs of the
 pieces between attention calls for other steps of up to 8,192 tokens, when it can, else eager), runs the forward
 pass (execute_model), and samples the next token of every sequence whose last known token was in the step
-(sample_tokens). It imports nothing from the engine."""
+(sample_tokens). It imports nothing from the engine.
+
+A sequence with proposed tokens (speculative decoding: SchedulerOutput.scheduled_spec_decode_tokens) computes its
+newest token and the proposals as one chunk, and is sampled at each of those positions; the rejection sampler keeps
+the accepted run (rejection_sampler.py). Such steps take more tokens than sequences, so they never replay a decode
+graph: on CUDA they run as the whole-step or piecewise graphs, or eager, and the engine runs them without async
+scheduling (the next step's proposals need the tokens accepted)."""
 
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from tinyvllm.worker.cuda_graphs import CudaGraphs, PiecewiseCudaGraphs, size_la
 from tinyvllm.worker.input_batch import LOGPROBS, MIN_TOKENS, PENALTIES, STRUCTURED, InputBatch
 from tinyvllm.worker.kv_cache import allocate_kv_cache, decide_num_blocks
 from tinyvllm.worker.prompt_logprobs import PromptScoring, find_prompt_scoring, score, to_host
+from tinyvllm.worker.rejection_sampler import Verification
 from tinyvllm.worker.sampler import AsyncModelRunnerOutput, Sampler, SamplingTensors, step_seeds
 from tinyvllm.worker.staging import Staging, broadcast_step, broadcast_stop, receive_step, views
 
@@ -46,6 +53,12 @@ WARM_UP_MAX_TOKENS = 8192
 # A test hook (docs/architecture.md): the runner refuses any new sequence whose tokens hold this token id, as it
 # would one whose state it could not take in, so that tests can see one request fail and the others go on.
 FAIL_TOKEN_VARIABLE = "TINYVLLM_TEST_FAIL_TOKEN"
+
+
+def _offsets_within(counts: np.ndarray) -> np.ndarray:
+    """0 .. counts[i] - 1 for each i, concatenated (the place of each row in its group of np.repeat(x, counts))."""
+    firsts = np.cumsum(counts) - counts
+    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(firsts, counts)
 
 
 def padded_num_tokens(num_tokens: int, max_num_batched_tokens: int) -> int:
@@ -94,6 +107,15 @@ class StepTokens:
     positions: np.ndarray
     slots: np.ndarray
     block_tables: np.ndarray  # the rows' tables, as wide as the longest needs
+    # Per sequence, how many of its new tokens are proposals (the last ones), and the proposals; None: a step
+    # without any (the common case)
+    num_drafts: np.ndarray | None = None
+    drafts: list[list[int]] | None = None
+
+    @property
+    def real_ends(self) -> np.ndarray:
+        """Per sequence, the end of its new tokens that are its own (not proposals)."""
+        return self.ends if self.num_drafts is None else self.ends - self.num_drafts
 
     @property
     def total(self) -> int:
@@ -118,6 +140,10 @@ class ModelInput:
     # The prompt tokens the step scores (prompt logprobs), and its rows and targets on the device
     scoring: PromptScoring | None = None
     scoring_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
+    # A step that verifies proposals: its sampled hidden rows are 1 + k per sequence (k proposals), which sample at
+    # the input batch rows logits_rows
+    verification: Verification | None = None
+    logits_rows: np.ndarray | None = None
 
 
 @dataclass
@@ -164,7 +190,9 @@ class ModelRunner:
                                                         self.cuda_graphs.pool, self.max_blocks_per_seq,
                                                         self.block_size)
         self.fixed_shapes = device.type == "cuda"  # (on the CPU shapes cost nothing: the batch runs as it is)
-        self.logits_rows = size_ladder(config.max_num_seqs)  # (a step samples at most a row per sequence)
+        # (a step samples at most a row per sequence and proposal)
+        num_drafts = resolved.speculative.num_speculative_tokens if resolved.speculative else 0
+        self.logits_rows = size_ladder(config.max_num_seqs * (1 + num_drafts))
         if self.fixed_shapes and tp.size == 1:  # (with several ranks a warm-up would need them all)
             self.warm_up_shapes()
 
@@ -224,6 +252,8 @@ class ModelRunner:
                 batch.add(new)
             except Exception as e:
                 raise SequenceError(new.seq_id, f"{type(e).__name__}: {e}") from e
+        for seq_id, num_kept in step.truncated_block_tables.items():
+            batch.num_blocks[batch.row_of[seq_id]] = num_kept
         for seq_id, block_ids in step.new_block_ids.items():
             batch.append_blocks(batch.row_of[seq_id], block_ids)
 
@@ -233,9 +263,18 @@ class ModelRunner:
         self._update_states(step)
         tokens = self._lay_out(step)
         batch, n = self.input_batch, len(tokens.seq_ids)
-        sampled = np.flatnonzero(tokens.ends == batch.num_tokens[tokens.rows])  # (their newest token is an input)
+        # (their newest token is an input)
+        sampled = np.flatnonzero(tokens.real_ends == batch.num_tokens[tokens.rows])
         sample_rows = tokens.rows[sampled]
         hints = self._sampling_hints(sample_rows)
+        verification, logits_rows, num_outputs = None, sample_rows, batch.num_tokens[sample_rows] - batch.num_prompt[
+            sample_rows]
+        if tokens.num_drafts is not None:  # each sequence samples at its newest token and each proposal
+            per_seq = 1 + tokens.num_drafts[sampled]
+            logits_rows = np.repeat(sample_rows, per_seq)
+            num_outputs = np.repeat(num_outputs, per_seq) + _offsets_within(per_seq)  # (each draw's output number)
+            verification = Verification([tokens.seq_ids[i] for i in sampled.tolist()], sample_rows,
+                                        [tokens.drafts[i] for i in sampled.tolist()], batch.record_verified)
         prefix_len = self._common_prefix_len(tokens)
         scoring = find_prompt_scoring(batch, tokens.seq_ids, tokens.rows, tokens.starts, tokens.ends,
                                       tokens.cu_query_lens)
@@ -245,12 +284,14 @@ class ModelRunner:
         if scoring is not None:
             arrays.update(prompt_rows=scoring.rows, prompt_targets=scoring.targets)
         if not hints.all_greedy:
-            num_outputs = batch.num_tokens[sample_rows] - batch.num_prompt[sample_rows]
-            arrays.update(temperature=batch.temperature[sample_rows], top_k=batch.top_k[sample_rows],
-                          top_p=batch.top_p[sample_rows], min_p=batch.min_p[sample_rows],
-                          seeds=step_seeds(batch.seeds[sample_rows], num_outputs))
+            arrays.update(temperature=batch.temperature[logits_rows], top_k=batch.top_k[logits_rows],
+                          top_p=batch.top_p[logits_rows], min_p=batch.min_p[logits_rows],
+                          seeds=step_seeds(batch.seeds[logits_rows], num_outputs))
         sampled_seq_ids = tokens.seq_ids if len(sampled) == n else [tokens.seq_ids[i] for i in sampled.tolist()]
-        return self._upload(arrays, plan, tokens, sample_rows, sampled_seq_ids, hints, scoring)
+        inputs = self._upload(arrays, plan, tokens, sample_rows, sampled_seq_ids, hints, scoring)
+        if verification is not None:
+            inputs.verification, inputs.logits_rows = verification, logits_rows
+        return inputs
 
     def _lay_out(self, step: SchedulerOutput) -> StepTokens:
         """The step's positions and slots; the sequences' computed tokens move past it."""
@@ -265,6 +306,10 @@ class ModelRunner:
         elif num_decodes and not (num_new[:num_decodes] == 1).all():
             order = np.argsort(num_new > 1, kind="stable")
             seq_ids, num_new = [seq_ids[i] for i in order.tolist()], num_new[order]
+        num_drafts, drafts = None, None
+        if step.scheduled_spec_decode_tokens:
+            drafts = [step.scheduled_spec_decode_tokens.get(i, []) for i in seq_ids]
+            num_drafts = np.fromiter(map(len, drafts), dtype=np.int64, count=n)
         row_of = batch.row_of
         rows = np.fromiter((row_of[i] for i in seq_ids), dtype=np.int64, count=n)
         starts = batch.num_computed[rows]
@@ -280,7 +325,7 @@ class ModelRunner:
         slots = batch.block_tables[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         width = int((ends.max() + bs - 1) // bs)
         return StepTokens(seq_ids, rows, num_new, num_decodes, starts, ends, cu, positions, slots,
-                          batch.block_tables[rows, :width])
+                          batch.block_tables[rows, :width], num_drafts, drafts)
 
     def _common_prefix_len(self, tokens: StepTokens) -> int | None:
         """A decode step whose sequences share a long enough prefix of blocks reads it once (cascade attention):
@@ -300,20 +345,26 @@ class ModelRunner:
         taken from that step's output on the device (where, the arrays say)."""
         batch, rows, cu, starts, ends = self.input_batch, tokens.rows, tokens.cu_query_lens, tokens.starts, tokens.ends
         ids = np.empty(tokens.total, dtype=np.int64)
-        last = cu[1:] - 1  # each sequence's last input
-        sent = ends <= batch.num_sent[rows]
+        num_drafts, real_ends = tokens.num_drafts, tokens.real_ends
+        last = cu[1:] - 1 if num_drafts is None else cu[1:] - 1 - num_drafts  # each sequence's last input of its own
+        sent = real_ends <= batch.num_sent[rows]
         for i in np.flatnonzero(sent).tolist():
-            ids[cu[i]:cu[i + 1]] = batch.token_ids[rows[i]][starts[i]:ends[i]]
+            ids[cu[i]:last[i] + 1] = batch.token_ids[rows[i]][starts[i]:real_ends[i]]
         newest = ~sent
         ids[last[newest]] = batch.last_token[rows[newest]]
         in_flight = newest & (starts == batch.num_known[rows])
         prev = self._last_output
-        assert not newest.any() or (tokens.num_new[newest] == 1).all(), "an output is the input of one decode alone"
+        assert not newest.any() or (real_ends - starts)[newest].max() == 1, "an output is the input of one decode alone"
         assert not in_flight.any() or prev is not None, "a token in flight without the step that sampled it"
         logits_indices = last[sampled]
+        if num_drafts is not None:  # the proposals follow their sequence's newest token, each position sampled
+            for i in np.flatnonzero(num_drafts).tolist():
+                ids[last[i] + 1:cu[i + 1]] = tokens.drafts[i]
+            per_seq = 1 + num_drafts[sampled]
+            logits_indices = np.repeat(logits_indices, per_seq) + _offsets_within(per_seq)
         if self.fixed_shapes and len(sampled):
-            num_rows = next(r for r in self.logits_rows if r >= len(sampled))
-            logits_indices = np.pad(logits_indices, (0, num_rows - len(sampled)))  # (row 0: any row will do)
+            num_rows = next(r for r in self.logits_rows if r >= len(logits_indices))
+            logits_indices = np.pad(logits_indices, (0, num_rows - len(logits_indices)))  # (row 0: any row will do)
         positions, slots = tokens.positions, tokens.slots
         if plan.num_tokens > tokens.total:
             extra = plan.num_tokens - tokens.total
@@ -385,8 +436,6 @@ class ModelRunner:
         piecewise graphs, or eager); sample_tokens() then samples its tokens. record_gpu_time: time the step on the
         device (CUDA events; on the CPU the host time is the device time, so nothing is recorded). A new sequence
         the runner cannot take in is a SequenceError, raised before anything runs."""
-        if step.scheduled_spec_decode_tokens:
-            raise NotImplementedError("the model runner does not verify proposed tokens yet")
         timer = None
         if record_gpu_time and self.device.type == "cuda":
             timer = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -418,6 +467,13 @@ class ModelRunner:
             output = self.sampler.output(executed.tokens, inputs.sampling, batch, inputs.sampled_rows,
                                          inputs.sampled_seq_ids, batch.record_tokens, timer)
             batch.num_tokens[inputs.sampled_rows] += 1
+        elif inputs.verification is not None:  # (several rows a sequence: the accepted runs are counted when read)
+            rows = inputs.logits_rows
+            seq_ids = batch.seq_ids[rows].tolist()
+            output = self.sample(executed.hidden[inputs.logits_indices], inputs.sampling, rows, seq_ids, timer,
+                                 grammar, verifying=True)
+            output.verification = inputs.verification
+            batch.num_tokens[inputs.sampled_rows] += 1
         elif inputs.sampled_seq_ids:
             output = self.sample(executed.hidden[inputs.logits_indices], inputs.sampling, inputs.sampled_rows,
                                  inputs.sampled_seq_ids, timer, grammar)
@@ -441,17 +497,18 @@ class ModelRunner:
 
     def sample(self, hidden: torch.Tensor, sampling: SamplingTensors, rows: np.ndarray, seq_ids: list[int],
                timer: tuple[torch.cuda.Event, torch.cuda.Event] | None = None,
-               grammar: GrammarOutput | None = None) -> AsyncModelRunnerOutput:
+               grammar: GrammarOutput | None = None, verifying: bool = False) -> AsyncModelRunnerOutput:
         """The next token of each sequence from the sampled positions' hidden states: row i of `hidden` is the
         input batch's row rows[i], sequence seq_ids[i], and rows past len(seq_ids) are padding (the LM head's
         fixed shapes), dropped. Logprobs, penalties and min_tokens go through the sampler's pass over the rows;
-        other steps draw their tokens as the decode graphs' tail does (draw)."""
+        other steps draw their tokens as the decode graphs' tail does (draw). verifying: the rows are a
+        verification's, several a sequence, whose accepted runs the input batch records (Verification), not these."""
         batch, n = self.input_batch, len(seq_ids)
+        on_ready = None if verifying else batch.record_tokens
         if sampling.needs_host_pass:
             logits = self.model.compute_logits(hidden)[:n]
-            return self.sampler(logits, sampling, batch, rows, seq_ids, batch.record_tokens, timer, grammar)
-        return self.sampler.output(self.draw(hidden, sampling, n), sampling, batch, rows, seq_ids,
-                                   batch.record_tokens, timer)
+            return self.sampler(logits, sampling, batch, rows, seq_ids, on_ready, timer, grammar)
+        return self.sampler.output(self.draw(hidden, sampling, n), sampling, batch, rows, seq_ids, on_ready, timer)
 
     def draw(self, hidden: torch.Tensor, sampling: SamplingTensors, n: int | None = None) -> torch.Tensor:
         """The tokens of the first n rows of `hidden` (all: the decode CUDA graphs capture this as their tail),

@@ -18,6 +18,7 @@ from tinyvllm.contract import GrammarOutput, ModelRunnerOutput
 from tinyvllm.outputs import Logprob
 from tinyvllm.worker.input_batch import InputBatch
 from tinyvllm.worker.prompt_logprobs import HostScores, PromptScoring, to_chunks
+from tinyvllm.worker.rejection_sampler import Verification
 
 _MASK64 = (1 << 63) - 1
 # Up to this many all-greedy rows (the default max_num_seqs), our sampling kernel's argmax (split over the
@@ -112,6 +113,9 @@ class AsyncModelRunnerOutput:
         self._num_logprobs, self._on_ready, self._timer = num_logprobs, on_ready, timer
         # The step's prompt logprobs on the device (prompt_logprobs.score), set by the runner after sampling
         self.prompt_scores: tuple[PromptScoring, HostScores] | None = None
+        # A step that verified proposed tokens: its rows are several per sequence, turned into each one's accepted
+        # run when read (rejection_sampler.py); set by the runner after sampling
+        self.verification: Verification | None = None
 
     def places(self, rows: np.ndarray) -> np.ndarray:
         """Where in token_ids the tokens of these input batch rows are (rows whose token this step sampled and
@@ -140,7 +144,8 @@ class AsyncModelRunnerOutput:
             end.synchronize()
             gpu_ms = start.elapsed_time(end)
         prompt_logprobs = to_chunks(*self.prompt_scores) if self.prompt_scores is not None else {}
-        return ModelRunnerOutput(self.seq_ids, token_ids, logprobs, gpu_ms, prompt_logprobs)
+        output = ModelRunnerOutput(self.seq_ids, token_ids, logprobs, gpu_ms, prompt_logprobs)
+        return output if self.verification is None else self.verification.accept(output)
 
 
 def _logprobs_of(row: torch.Tensor, token: int, top_n: int) -> dict[int, Logprob]:

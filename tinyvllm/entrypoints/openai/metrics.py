@@ -42,6 +42,12 @@ _ENGINE_STATS = (
     ("generation_tokens", "generation_tokens", "Tokens generated.", "counter"),
     ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "counter"),
     ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache.", "counter"),
+    ("spec_decode_num_drafts", "spec_decode_num_drafts", "Speculative decoding: sequence-steps that verified "
+     "proposed tokens.", "counter"),
+    ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed.",
+     "counter"),
+    ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens "
+     "accepted (mean acceptance length: 1 + accepted / drafts).", "counter"),
 )
 
 
