@@ -30,6 +30,7 @@ SMALL_RUNS = {
     "structured_output.py": ["--small", "--num-prompts", "4", "--max-tokens", "8", "--mask-rows", "8", "--repeat", "1"],
     "prompt_logprobs.py": ["--small", "--num-prompts", "4", "--prompt-len", "32", "--repeat", "1", "--peer-batch", "2"],
     "host_overhead.py": ["--num-seqs", "8", "--prompt-len", "8", "--output-len", "8", "--repeats", "1"],
+    "spec_decode.py": ["--small", "--num-prompts", "1", "--max-tokens", "8", "--repeat", "1"],
     "shared_prefix.py": ["--small", "--num-requests", "4", "--prefix-len", "64", "--question-len", "8",
                          "--output-len", "4"],
 }

@@ -160,6 +160,32 @@ def test_no_proposals_where_the_pool_is_short():
     assert step.num_new_tokens == [1] and not step.scheduled_spec_decode_tokens and len(seq.block_table) == 1
 
 
+def test_no_proposals_under_a_grammar_with_penalties_or_before_min_tokens():
+    class Grammar:  # (a stand-in for SequenceGrammar that allows anything)
+        terminated = False
+
+        def ready(self):
+            return True
+
+        def accept(self, token):
+            pass
+
+    proposer = _Fixed([10, 11])
+    scheduler = _scheduler(proposer)
+    constrained = _add(scheduler, [1, 2, 3], max_tokens=50)
+    constrained.grammar = Grammar()
+    _add(scheduler, [1, 2, 3], max_tokens=50, repetition_penalty=1.2)
+    _add(scheduler, [1, 2, 3], max_tokens=50, min_tokens=3)
+    _add(scheduler, [1, 2, 3], max_tokens=50)
+    proposed = []
+    for _ in range(4):
+        step = scheduler.schedule()
+        proposed.append(set(step.scheduled_spec_decode_tokens))
+        sampled = [i for i in step.seq_ids if scheduler.seqs[i].num_output_placeholders]
+        scheduler.update_from_output(step, ModelRunnerOutput(sampled, [[7] for _ in sampled], [None] * len(sampled)))
+    assert proposed == [set(), {3}, {3}, {2, 3}]  # (the prompts; then min_tokens=3 holds sequence 2 back twice)
+
+
 # ---- the engine, end to end ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module", params=[3, 11])
 def checkpoint(request, tmp_path_factory) -> str:
@@ -304,3 +330,16 @@ def test_sampling_with_speculation_follows_the_target_distribution(tmp_path):
     statistic = float(((o[keep] - e[keep]) ** 2 / e[keep]).sum())
     df = int(keep.sum()) - 1
     assert statistic < _chi_square_critical(df), (statistic, df)
+
+
+def test_metrics_export_the_counters_with_vllms_names():
+    from tinyvllm.entrypoints.openai.metrics import ServerMetrics
+
+    class Engine:
+        def get_stats(self):
+            return {"spec_decode_num_drafts": 3, "spec_decode_num_draft_tokens": 12,
+                    "spec_decode_num_accepted_tokens": 7}
+
+    text = ServerMetrics(Engine(), "m").render()[0].decode()  # type: ignore[arg-type]
+    for name, value in (("num_drafts", 3), ("num_draft_tokens", 12), ("num_accepted_tokens", 7)):
+        assert f'tinyvllm:spec_decode_{name}_total{{model_name="m"}} {value:.1f}' in text

@@ -263,8 +263,10 @@ class EngineCore:
             launched = time.perf_counter()
             num_prefill = scheduler.num_prompt_tokens - prompt_tokens
             seqs = scheduler.seqs
-            # (Its last input is in flight: the step computes a token that is not read back yet.)
-            in_flight = sum(1 for i in step.seq_ids if seqs[i].num_computed_tokens > len(seqs[i].token_ids))
+            # (Its last input is in flight: the step computes a token that is not read back yet; proposals aside.)
+            drafts = step.scheduled_spec_decode_tokens
+            in_flight = sum(1 for i in step.seq_ids
+                            if seqs[i].num_computed_tokens - len(drafts.get(i, ())) > len(seqs[i].token_ids))
             bm = self.block_manager
             stats = StepStats(len(step.seq_ids), num_prefill, step.num_batched_tokens - num_prefill, in_flight,
                               len(scheduler.running), len(scheduler.waiting), bm.num_blocks - bm.num_free_blocks,

@@ -267,12 +267,10 @@ class ModelRunner:
         sampled = np.flatnonzero(tokens.real_ends == batch.num_tokens[tokens.rows])
         sample_rows = tokens.rows[sampled]
         hints = self._sampling_hints(sample_rows)
-        verification, logits_rows, num_outputs = None, sample_rows, batch.num_tokens[sample_rows] - batch.num_prompt[
-            sample_rows]
+        verification, logits_rows, per_seq = None, sample_rows, None
         if tokens.num_drafts is not None:  # each sequence samples at its newest token and each proposal
             per_seq = 1 + tokens.num_drafts[sampled]
             logits_rows = np.repeat(sample_rows, per_seq)
-            num_outputs = np.repeat(num_outputs, per_seq) + _offsets_within(per_seq)  # (each draw's output number)
             verification = Verification([tokens.seq_ids[i] for i in sampled.tolist()], sample_rows,
                                         [tokens.drafts[i] for i in sampled.tolist()], batch.record_verified)
         prefix_len = self._common_prefix_len(tokens)
@@ -284,6 +282,9 @@ class ModelRunner:
         if scoring is not None:
             arrays.update(prompt_rows=scoring.rows, prompt_targets=scoring.targets)
         if not hints.all_greedy:
+            num_outputs = batch.num_tokens[logits_rows] - batch.num_prompt[logits_rows]
+            if per_seq is not None:
+                num_outputs += _offsets_within(per_seq)  # (each draw's output number: its seed's)
             arrays.update(temperature=batch.temperature[logits_rows], top_k=batch.top_k[logits_rows],
                           top_p=batch.top_p[logits_rows], min_p=batch.min_p[logits_rows],
                           seeds=step_seeds(batch.seeds[logits_rows], num_outputs))

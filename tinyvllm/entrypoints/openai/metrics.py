@@ -2,7 +2,8 @@
 the tests, never collide). Names follow vLLM's with our prefix.
 
 The engine's own numbers (requests running and waiting, KV cache usage, token and preemption counters,
-prefix-cache queries and hits) are read from engine.get_stats() at scrape time by a custom collector;
+prefix-cache queries and hits, speculative decoding's proposals and accepted tokens) are read from
+engine.get_stats() at scrape time by a custom collector;
 the per-request latencies (time to first token, inter-token latency, ...) are histograms observed as
 each request's outputs reach the server. request_success_total counts every completion once, by its finish
 reason, "abort" for those that ended unfinished (the client went away, the server shut down), as vLLM's.
