@@ -101,7 +101,6 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self._executor: ThreadPoolExecutor | None = None
         self._compiler: Any = None
-        self._batch: Any = None  # xgrammar's BatchGrammarMatcher: fills a step's rows on several threads
         self._lock = threading.Lock()
 
     def grammar(self, params: StructuredOutputsParams) -> SequenceGrammar:
@@ -132,16 +131,12 @@ class StructuredOutputManager:
         return self._compiler.compile_grammar(spec)
 
     def bitmask(self, seq_ids: list[int], grammars: list[SequenceGrammar]) -> GrammarOutput:
-        """The rows of a step's bitmask, one per sequence that samples under a grammar that has not ended. The rows
-        are filled on xgrammar's threads: a row whose matcher reaches a state its grammar's mask cache lacks (a
-        string of a counted length, say) costs a walk over the vocabulary, and a step may hold hundreds such."""
+        """The rows of a step's bitmask, one per sequence that samples under a grammar that has not ended."""
         xgr = _xgrammar()
         live = [(seq_id, g) for seq_id, g in zip(seq_ids, grammars) if g.ready() and not g.terminated]
         mask = xgr.allocate_token_bitmask(len(live), self.vocab_size)
-        if live:
-            if self._batch is None:
-                self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
-            self._batch.batch_fill_next_token_bitmask([g.matcher for _, g in live], mask)
+        for row, (_, grammar) in enumerate(live):
+            grammar.matcher.fill_next_token_bitmask(mask, row)
         return GrammarOutput([seq_id for seq_id, _ in live], mask.numpy())
 
     def shutdown(self) -> None:
