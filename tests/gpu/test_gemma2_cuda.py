@@ -64,13 +64,18 @@ def test_logits_match_transformers(gemma2, dtype: str) -> None:
     path, hf = gemma2
     llm = LLM(path, dtype=dtype, enforce_eager=True, **ENGINE_ARGS)
     try:
-        errors = {}
+        errors, own = {}, {}
         for n in LOGIT_LENGTHS:
             ids = [(k * 7919) % 8000 + 2 for k in range(n)]
             with torch.inference_mode():
                 ref = hf(torch.tensor([ids], device="cuda")).logits[0].float()
+                if dtype == "bfloat16":  # what bfloat16 costs transformers itself on this model (its soft caps)
+                    own[n] = relative_error(hf.to(torch.bfloat16)(torch.tensor([ids], device="cuda")).logits[0], ref)
+                    hf.float()
             errors[n] = relative_error(our_logits(llm, ids), ref)
-        assert all(err < LOGIT_TOLERANCE[dtype] for err in errors.values()), errors
+        # bfloat16: within 3e-2, or within 1.25x of transformers' own bfloat16 error where that is larger
+        assert all(err < max(LOGIT_TOLERANCE[dtype], 1.25 * own.get(n, 0.0)) for n, err in errors.items()), (errors,
+                                                                                                             own)
     finally:
         del llm
         free_gpu_memory()
