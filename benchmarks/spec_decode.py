@@ -70,8 +70,9 @@ def main() -> None:
     max_tokens = args.max_tokens or (96 if small else 192)
     speculative = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
                    "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
-    # (both engines live in this process: on a GPU each takes under half of its memory)
-    memory = {} if small else {"gpu_memory_utilization": 0.4}
+    # (both engines live in this process: on a GPU each gets a KV pool of its own size, 16k tokens, where sizing it
+    # from the memory left would count the other engine's)
+    memory = {} if small else {"num_kv_blocks": 1024}
     engines = {"off": LLM(args.model, device=device, **memory),
                "ngram": LLM(args.model, device=device, speculative_config=speculative, **memory)}
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
