@@ -54,7 +54,7 @@ class QuantizationConfig:
     else the weights are quantized as they load. ignore: modules kept unquantized, by name or "re:" pattern (the LM
     head is never quantized)."""
 
-    method: str = "fp8"
+    method: str = "fp8"  # or "gguf": a GGUF's weights in their own types, on the CPU (model/loader.py)
     from_checkpoint: bool = False
     weight_strategy: str = "channel"
     ignore: tuple[str, ...] = ()
@@ -382,7 +382,9 @@ class EngineConfig:
     model: str | None = _arg(None, "model directory (config.json + *.safetensors) or .gguf file; none: the embedded "
                                    "SmolLM2-135M-Instruct", type=str)
     dtype: str = _arg("auto", "weights and activations: auto is float32 on the CPU and the checkpoint's half type on a "
-                              "GPU", choices=("auto", "float32", "float16", "bfloat16"))
+                              "GPU; on the CPU a GGUF's quantized weights then stay quantized (bfloat16 activations "
+                              "in their products), an explicit dtype dequantizes them to it",
+                      choices=("auto", "float32", "float16", "bfloat16"))
     device: str = _arg("auto", "auto, cpu or cuda")
     max_model_len: int | None = _arg(None, "context length in tokens (none: the model's)", type=int)
     max_num_seqs: int = _arg(256, "at most this many sequences in one step")
@@ -392,8 +394,9 @@ class EngineConfig:
                                               "what the weights and activations leave)")
     num_kv_blocks: int | None = _arg(None, "KV-cache blocks (none: as many as memory allows)", type=int)
     kv_cache_memory: str | None = _arg(None, "memory for the KV cache, in bytes or with a unit (4GiB, 512MiB); "
-                                             "none: on a GPU what gpu_memory_utilization leaves, on the CPU a "
-                                             "tenth of the available memory", type=str)
+                                             "none: on a GPU what gpu_memory_utilization leaves, on the CPU one "
+                                             "whole-context sequence plus a block per other sequence (within a "
+                                             "tenth of the available memory)", type=str)
     kv_cache_dtype: str = _arg("auto", "KV cache storage: auto is the model's dtype; fp8 (or fp8_e4m3) is float8 e4m3 "
                                        "without scale factors, half the bytes of bf16 (on a GPU: sm_89 or newer)",
                                choices=KV_CACHE_DTYPES)
@@ -508,6 +511,13 @@ class EngineConfig:
 
     def resolve_speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)
+
+    def keeps_gguf_types(self, model_path: str, device: torch.device) -> bool:
+        """Whether a GGUF loads in its own types (4-bit and Q8_0 weights kept so, through torch's int4 kernel, other
+        quantized types widened to bfloat16): on the CPU, one rank, dtype "auto" and no quantization asked for. An
+        explicit dtype loads every weight dequantized to it (float32: the exact reference, ~4x the memory)."""
+        return (model_path.endswith(".gguf") and device.type == "cpu" and self.dtype == "auto"
+                and self.tensor_parallel_size == 1 and self.quantization is None)
 
     def resolve_async_scheduling(self, device: torch.device) -> bool:
         """On for CUDA unless asked otherwise; off with speculative decoding, whose next step's proposals need the

@@ -9,7 +9,7 @@ import logging
 import time
 from typing import Any
 
-from tinyvllm.config import Config, EngineConfig
+from tinyvllm.config import Config, EngineConfig, QuantizationConfig
 from tinyvllm.contract import EngineCoreOutputs
 from tinyvllm.engine.core_client import EngineCoreClient
 from tinyvllm.engine.engine_core import EngineCore, StepCallback
@@ -38,6 +38,8 @@ def resolve_config(config: EngineConfig) -> tuple[Config, Any]:
     if not model_config.eos_token_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
         model_config.eos_token_ids = [tokenizer.eos_token_id]
     quantization = config.resolve_quantization(model_config, device)
+    if config.keeps_gguf_types(model_path, device):
+        quantization = QuantizationConfig("gguf")
     return Config(config, model_config, model_path, device, dtype, config.max_model_len or limit,
                   quantization, config.resolve_speculative()), tokenizer
 

