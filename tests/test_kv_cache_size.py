@@ -1,5 +1,6 @@
-"""How big the KV pool is: kv_cache_memory when given (on the CPU and the GPU alike), else on the CPU a tenth
-of the available memory, and never more than max_num_seqs sequences of max_model_len tokens can use."""
+"""How big the KV pool is: kv_cache_memory when given (on the CPU and the GPU alike), else on the CPU what the
+model and max_num_seqs need within a tenth of the available memory (tests/test_gguf_int4.py holds the rule), and
+never more than max_num_seqs sequences of max_model_len tokens can use."""
 
 import pytest
 
