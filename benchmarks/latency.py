@@ -16,15 +16,23 @@ import time
 
 from common import SHAPES, commit, cuda_ms, gpu_name, random_llama_tiny, random_shape, require_gpu
 
-COPY_BYTES_PER_S = 4.159e12  # the H200's device-to-device copy rate (docs/benchmarks.md)
+
+def copy_bytes_per_s() -> float:
+    """This GPU's device-to-device copy rate, bytes read + written per second (1 GiB copied; docs/benchmarks.md counts
+    the H200's 4,159 GB/s so)."""
+    import torch
+
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / (cuda_ms(lambda: dst.copy_(src), reps=20) / 1e3)
 
 
-def decode_floor_ms(model) -> float:
+def decode_floor_ms(model, copy_rate: float) -> float:
     """A batch-1 decode step's floor: the bytes of the weights it reads (every parameter, the embedding only where it
-    is the LM head) at the copy rate (0.594 ms for the 1B model in bf16)."""
+    is the LM head) at the copy rate (0.594 ms for the 1B model in bf16 on an H200)."""
     embedding = model.get_input_embeddings().weight
     read = [p for p in model.parameters() if p is not embedding or model.lm_head is None]
-    return sum(p.numel() * p.element_size() for p in read) / COPY_BYTES_PER_S * 1e3
+    return sum(p.numel() * p.element_size() for p in read) / copy_rate * 1e3
 
 
 def hf_latency(path: str, prompt: list[int], output_len: int, static: bool,
@@ -197,8 +205,8 @@ def main() -> None:
               gpu_memory_utilization=0.5, async_scheduling=not args.no_async_scheduling,
               tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
               quantization=args.quantization, **({"device": "cpu"} if args.small else {}))
-    floor_ms = decode_floor_ms(llm.llm_engine.engine_core.model_runner.model) if args.tensor_parallel_size == 1 \
-        else None
+    floor_ms = None if args.small or args.tensor_parallel_size > 1 else decode_floor_ms(
+        llm.llm_engine.engine_core.model_runner.model, copy_bytes_per_s())
     try:
         ours = run_latency(llm, args.prompt_len, args.output_len)
         breakdown, decode_steps = step_breakdown(llm, args.prompt_len, args.output_len,
@@ -217,8 +225,8 @@ def main() -> None:
                                       args.tensor_parallel_size > 1),
                                      (f"kv_cache_dtype {args.kv_cache_dtype}", args.kv_cache_dtype != "auto"),
                                      (f"quantization {args.quantization}", args.quantization)) if on)
-    floor = "" if args.small or floor_ms is None else \
-        f", {floor_ms / ours['tpot_ms_median']:.0%} of the {floor_ms:.3f} ms floor (the weights read at the copy rate)"
+    floor = "" if args.small or floor_ms is None else (f", {floor_ms / ours['tpot_ms_median']:.0%} of the "
+                                                       f"{floor_ms:.3f} ms floor (the weights at this GPU's copy rate)")
     print(f"  (TTFT: the median of {ours['ttft_samples']} requests, one at a time, for tinyvllm; of 5 for "
           "transformers)")
     print(f"  tinyvllm{f' ({mode})' if mode else ''}: TTFT {ours['ttft_ms']:.2f} ms, "
