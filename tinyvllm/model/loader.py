@@ -166,7 +166,7 @@ def _gguf_cpu_formats(model: CausalLM, path: str) -> frozenset[str]:
             GGUFInt4LinearMethod(bits=4).create_weights(module)
             int4.update(names)
         elif fits and kinds and kinds <= INT8_TYPES:
-            GGUFInt4LinearMethod(bits=8).create_weights(module)
+            GGUFInt4LinearMethod(bits=8, lookups=tied_table).create_weights(module)
             int4.update(names)
         elif kinds - FLOAT_TYPES:
             GGUFBf16LinearMethod().create_weights(module)

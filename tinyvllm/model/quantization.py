@@ -123,8 +123,9 @@ class GGUFInt4LinearMethod:
 
     can_fold_norms = True
 
-    def __init__(self, bits: int = 4) -> None:
-        self.bits = bits
+    def __init__(self, bits: int = 4, lookups: bool = False) -> None:
+        """lookups: the layer is a tied embedding table, whose rows are also looked up (Q8_0 only)."""
+        self.bits, self.lookups = bits, lookups
 
     def create_weights(self, layer: nn.Module) -> None:
         layer.method = self
@@ -156,9 +157,7 @@ class GGUFInt4LinearMethod:
             q = torch.cat([groups & 0x0F, groups >> 4], dim=-1).view(out_features, -1).to(torch.int32)
             scale_zero = scales
         else:
-            from tinyvllm.model.layers import VocabParallelEmbedding  # (layers imports this module)
-
-            if isinstance(layer, VocabParallelEmbedding):  # a tied table: its rows for lookups
+            if self.lookups:  # a tied table: its rows for lookups
                 layer.table, layer.table_scale = values, scales
             q = values.to(torch.int32)
             q = torch.cat([(q >> 4) + 8, q & 0x0F], dim=1)  # hi (arithmetic shift: the floor) + 8, lo
