@@ -4,6 +4,7 @@ per output channel, fp8_linear at any size, the decode kernels through their wei
 plain-PyTorch reference (`*_ref`) and, where Triton is available, a Triton kernel (`*_triton`) with the same
 signature. The names exported here pick the Triton kernel for CUDA tensors and the reference otherwise; the test hook
 TINYVLLM_REFERENCE_OPS=1 forces the references everywhere (to check the kernels against them on a GPU).
+token_logprobs (logprobs.py): per row of logits, a token's logprob and rank and the top k, reading the logits once.
 use_decode_kernel says when the model runs a product on the fused kernels instead of cuBLAS. kv_pool allocates a
 layer's K or V pool, head-major."""
 
@@ -25,6 +26,7 @@ from tinyvllm.ops.embedding import embedding_ref
 from tinyvllm.ops.fp8 import fp8_linear_ref, per_channel_scale, quantize_fp8_per_token, quantize_fp8_weight
 from tinyvllm.ops.fused_linear import fused_linear_ref, fused_norm_linear_ref, linear_argmax_ref
 from tinyvllm.ops.layernorm import RowNorm, fused_add_rms_norm_ref, rms_norm_ref
+from tinyvllm.ops.logprobs import token_logprobs_ref
 from tinyvllm.ops.rotary import RopeStore, build_cos_sin_cache, rope_store_ref
 from tinyvllm.ops.sampling import sample_ref
 
@@ -53,6 +55,7 @@ __all__ = [
     "quantize_fp8_per_token",
     "quantize_fp8_weight",
     "sample",
+    "token_logprobs",
     "triton_available",
     "unpack_decode_inputs",
 ]
@@ -176,4 +179,5 @@ def kv_pool(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, 
 
 
 sample = _dispatch("sample", sample_ref)
+token_logprobs = _dispatch("token_logprobs", token_logprobs_ref)
 unpack_decode_inputs = _dispatch("unpack_decode_inputs", unpack_decode_inputs_ref)

@@ -15,6 +15,7 @@ from tinyvllm.ops.cascade_attention import cascade_attention_triton
 from tinyvllm.ops.decode_inputs import unpack_decode_inputs_triton
 from tinyvllm.ops.embedding import embedding_triton
 from tinyvllm.ops.layernorm import fused_add_rms_norm_triton, rms_norm_triton
+from tinyvllm.ops.logprobs import token_logprobs_triton
 from tinyvllm.ops.rotary import rope_store_triton
 from tinyvllm.ops.sampling import sample_triton
 
@@ -29,5 +30,6 @@ KERNELS: dict[str, Callable[..., Any]] = {
     "paged_attention": paged_attention_triton,
     "cascade_attention": cascade_attention_triton,
     "sample": sample_triton,
+    "token_logprobs": token_logprobs_triton,
     "unpack_decode_inputs": unpack_decode_inputs_triton,
 }
