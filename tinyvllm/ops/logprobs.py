@@ -31,10 +31,9 @@ def token_logprobs_ref(logits: torch.Tensor, targets: torch.Tensor, top_k: int) 
     logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
     chosen = logprobs.gather(1, targets[:, None])
     ranks = _count_greater(logprobs, chosen) + 1
-    best_logprob, best = logprobs.max(dim=1, keepdim=True)  # (-log sum exp(x - max), as log_softmax computed it)
-    lse = (logits.gather(1, best).float() - best_logprob).squeeze(1)
-    top = logprobs.topk(top_k, dim=1)
-    return chosen.squeeze(1), ranks, lse, top.indices, top.values
+    top = logprobs.topk(max(top_k, 1), dim=1)  # (its first: the max, whose logprob is -log sum exp(x - max))
+    lse = logits.gather(1, top.indices[:, :1]).float().squeeze(1) - top.values[:, 0]
+    return chosen.squeeze(1), ranks, lse, top.indices[:, :top_k], top.values[:, :top_k]
 
 
 def _count_greater(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

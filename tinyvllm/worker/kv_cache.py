@@ -22,6 +22,7 @@ from tinyvllm.config import EngineConfig
 from tinyvllm.distributed import TensorParallel
 from tinyvllm.model.interface import CausalLM
 from tinyvllm.ops import AttentionMetadata
+from tinyvllm.worker.prompt_logprobs import score_chunk_rows
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,9 @@ def _profile_num_blocks(model: CausalLM, config: EngineConfig, device: torch.dev
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     positions = torch.cat([torch.arange(n, device=device) for n in lens])
     hidden = model(ids, positions, meta)
-    model.compute_logits(hidden[: min(num_tokens, config.max_num_seqs)])
+    # The logits of the step's sampled rows, or of a chunk of prompt rows scored for their logprobs if more
+    model.compute_logits(hidden[: min(num_tokens, max(config.max_num_seqs,
+                                                       score_chunk_rows(model.config.vocab_size, device)))])
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated(device)
     allocate_kv_cache(model, 0, bs, cache_dtype, device)

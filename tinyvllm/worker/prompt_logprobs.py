@@ -4,8 +4,8 @@ place, with its rank and the top k there, which evaluation harnesses score a pro
 The hidden state at position p gives the logits of the token at p + 1, so a step that computes a prompt chunk
 [start, end) scores the prompt tokens start + 1 .. end (those inside the prompt, from where the sequence's owed
 logprobs start: NewSequence.prompt_logprobs_from). Those rows' logits are computed after the step's sampling, a
-bounded number of rows at a time (at most SCORE_CHUNK_ELEMENTS logits exist at once, never prompt x vocabulary),
-and only what the request asked for leaves the device."""
+bounded number of rows at a time (score_chunk_rows: never prompt x vocabulary), and ops.token_logprobs takes from
+each chunk only what the requests asked for, which alone leaves the device."""
 
 from __future__ import annotations
 
@@ -15,10 +15,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tinyvllm import ops
 from tinyvllm.contract import PromptLogprobsChunk
 from tinyvllm.worker.input_batch import InputBatch
 
-SCORE_CHUNK_ELEMENTS = 1 << 24  # logits (rows x vocabulary) computed at once: 64 MiB of float32 log-softmax
+# Logits (rows x vocabulary) computed at once. On CUDA the chunk's logits in the model's dtype are all the memory
+# scoring takes (the kernel reads them once, keeping nothing per token): 256 MiB in bfloat16, which the KV cache's
+# profile reserves (kv_cache.py); a chunk of a thousand rows at a 128k vocabulary keeps the LM head's product large
+# and the launches per row few. Where the reference runs (the CPU, or TINYVLLM_REFERENCE_OPS=1) it computes a float32
+# log-softmax of the chunk: 64 MiB.
+SCORE_CHUNK_ELEMENTS = {"cuda": 1 << 27, "cpu": 1 << 24}
 
 
 @dataclass
@@ -67,10 +73,16 @@ def find_prompt_scoring(batch: InputBatch, seq_ids: list[int], rows: np.ndarray,
     return scored
 
 
-def score_chunks(num_rows: int, vocab_size: int) -> list[slice]:
+def score_chunk_rows(vocab_size: int, device: torch.device) -> int:
+    """How many rows' logits scoring computes at once on `device` (the reference's size where it runs there)."""
+    elements = SCORE_CHUNK_ELEMENTS["cuda" if device.type == "cuda" and ops.triton_available() else "cpu"]
+    return max(1, elements // vocab_size)
+
+
+def score_chunks(num_rows: int, vocab_size: int, device: torch.device) -> list[slice]:
     """The rows computed together: every rank of a split vocabulary takes the same, as the logits' gather pairs
     them."""
-    step = max(1, SCORE_CHUNK_ELEMENTS // vocab_size)
+    step = score_chunk_rows(vocab_size, device)
     return [slice(start, min(start + step, num_rows)) for start in range(0, num_rows, step)]
 
 
@@ -80,29 +92,20 @@ def score(compute_logits: Callable[[torch.Tensor], torch.Tensor | None], hidden:
     top_k), their logprobs (float32 log-softmax of the model's logits) and the target's rank [L], on the device;
     None on a rank other than 0 of a split vocabulary (which takes part in each chunk's gather all the same)."""
     ids, logprobs, ranks = [], [], []
-    for rows in score_chunks(hidden.shape[0], vocab_size):
+    for rows in score_chunks(hidden.shape[0], vocab_size, hidden.device):
         logits = compute_logits(hidden[rows])
         if logits is None:
             continue
-        logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-        target = targets[rows, None]
-        chosen = logp.gather(1, target)
-        ranks.append(_count_greater(logp, chosen) + 1)
-        top = logp.topk(top_k, dim=1)
-        ids.append(torch.cat([target, top.indices], dim=1))
-        logprobs.append(torch.cat([chosen, top.values], dim=1))
+        target = targets[rows]
+        chosen, rank, _, top_ids, top_logprobs = ops.token_logprobs(logits, target, top_k)
+        ids.append(torch.cat([target[:, None], top_ids], dim=1))
+        logprobs.append(torch.cat([chosen[:, None], top_logprobs], dim=1))
+        ranks.append(rank)
     if not ranks:
         return None
+    if len(ranks) == 1:
+        return ids[0], logprobs[0], ranks[0]
     return torch.cat(ids), torch.cat(logprobs), torch.cat(ranks)
-
-
-def _count_greater(logp: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    """How many of each row's values exceed its chosen one. On the CPU a few rows at a time, so that the comparison's
-    mask stays in the cache (a third of the time of one pass over the whole chunk); on a GPU in one pass."""
-    block = logp.shape[0] if logp.is_cuda else 8
-    counts = [(logp[r:r + block] > chosen[r:r + block]).sum(dim=1, dtype=torch.int32)
-              for r in range(0, logp.shape[0], block)]
-    return counts[0] if len(counts) == 1 else torch.cat(counts)
 
 
 HostScores = tuple[tuple[torch.Tensor, ...], "torch.cuda.Event | None"]
