@@ -52,6 +52,7 @@ from tinyvllm.ops.layernorm import (  # noqa: E402
     rms_norm_ref,
     rms_norm_triton,
 )
+from tinyvllm.ops.logprobs import token_logprobs_ref, token_logprobs_triton  # noqa: E402
 from tinyvllm.ops.rotary import (  # noqa: E402
     RopeStore,
     build_cos_sin_cache,
@@ -961,6 +962,37 @@ def test_race_noise_with_lg2_approx() -> None:
     expected = -torch.log1p(-(2**32 - 1 - r.double() + 0.5) / 2**32)
     error = ((out.double() - expected) / expected).abs()
     assert float(error.max()) < 3e-6, f"seed {seed}: r={r[error.argmax()].item()} relative error {float(error.max())}"
+
+
+@pytest.mark.parametrize("top_k", [0, 1, 5, 20])
+@pytest.mark.parametrize("rows", [1, 7, 1000])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=short)
+def test_token_logprobs(dtype: torch.dtype, rows: int, top_k: int) -> None:
+    """Prompt and sample logprobs from the LM head's logits, against the float32 log-softmax on the same (rounded)
+    logits: the logprobs within float32's tolerance (both are float32 sums over the same values, in other orders),
+    the ranks exactly those of the logits' order, the top k exactly the largest logits, lower ids first among ties
+    (many, in bfloat16). A rank counted on the log-softmax (the reference's) may differ only where float32 rounding
+    of x - lse merges a larger logit with the target's."""
+    generator, seed = fresh_generator()
+    logits = (4 * rand(rows, VOCAB, generator=generator, dtype=torch.float32)).to(dtype)
+    targets = torch.randint(0, VOCAB, (rows,), device=DEVICE, generator=generator)
+    targets[::3] = logits[::3].float().argmax(-1)  # some rows score their most likely token
+    chosen, ranks, lse, top_ids, top_logprobs = poisoned(token_logprobs_triton, logits, targets, top_k)
+    ref_chosen, ref_ranks, ref_lse, _, ref_top_logprobs = token_logprobs_ref(logits, targets, top_k)
+    what = f"token_logprobs {short(dtype)} L={rows} k={top_k} seed {seed}"
+    assert_close(f"{what} logprobs", chosen, ref_chosen, torch.float32)
+    assert_close(f"{what} logsumexp", lse, ref_lse, torch.float32)
+    x = logits.float()
+    x_target = x.gather(1, targets[:, None])
+    assert torch.equal(ranks, (x > x_target).sum(dim=1, dtype=torch.int32) + 1), f"{what}: ranks"
+    logprobs = torch.log_softmax(x, dim=-1)
+    merged = ((x > x_target) & (logprobs == logprobs.gather(1, targets[:, None]))).any(dim=1)
+    differ = (ranks != ref_ranks) & ~merged
+    assert not differ.any(), f"{what}: ranks {ranks[differ].tolist()} != reference {ref_ranks[differ].tolist()}"
+    expected_ids = torch.sort(x, dim=1, descending=True, stable=True).indices[:, :top_k]
+    assert torch.equal(top_ids, expected_ids), f"{what}: top ids"
+    if top_k:
+        assert_close(f"{what} top logprobs", top_logprobs, ref_top_logprobs, torch.float32)
 
 
 # ------------------------------------------------------------------------------------------ float8 KV cache

@@ -7,9 +7,10 @@ semantics, without a float32 copy of the logits.
 
 The Triton kernel reads each row once, in vocabulary tiles: a running max and sum of exponentials (online
 softmax), the count of logits above the target's, and a running top k that a tile only touches when it holds a
-logit above the k-th kept (after the first tiles, seldom). The rank is counted on the logits, the reference's on
-their float32 log-softmax: the same wherever float32 rounding of x - lse keeps distinct logits distinct (always,
-for bfloat16 logits of any realistic size)."""
+logit above the k-th kept (after the first tiles, seldom). The kernel counts the rank on the logits, the reference
+on their float32 log-softmax: the two differ only where rounding x - lse to float32 merges a logit above the
+target's with it (some float32 logits; bfloat16 ones only very near zero), and then the kernel's follows the
+logits' own order."""
 
 from __future__ import annotations
 
