@@ -70,6 +70,24 @@ def test_satisfied_constraint_changes_no_token(llm: LLM) -> None:
         assert bound.outputs[0].token_ids[:len(free.outputs[0].token_ids)] == free.outputs[0].token_ids
 
 
+def test_logprobs_are_the_models_own_under_a_grammar(llm: LLM) -> None:
+    """A token's logprobs are those of the model's distribution before the grammar's mask (as before penalties): a
+    choice that forbids the model's favourite first token draws another, ranked below it, and the top ones are the
+    unconstrained run's."""
+    prompt = "The capital of France is"
+    (free,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=3), use_tqdm=False)
+    (bound,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=3,
+                                                     structured_outputs=_constrained(choice=["zzz"])), use_tqdm=False)
+    (favourite,) = free.outputs[0].token_ids
+    (drawn,) = bound.outputs[0].token_ids
+    assert drawn != favourite and bound.outputs[0].logprobs[0][drawn].rank > 1
+
+    def top(entry: dict) -> list[tuple[int, int]]:
+        return sorted((lp.rank, token) for token, lp in entry.items() if lp.rank <= 3)
+
+    assert top(bound.outputs[0].logprobs[0]) == top(free.outputs[0].logprobs[0])
+
+
 def test_preempted_constrained_requests_stay_valid() -> None:
     """A KV pool too small for all of them at once: requests are preempted and recomputed, their grammars keep
     their place (the tokens they had are theirs), and every output still validates."""

@@ -102,14 +102,16 @@ class AsyncModelRunnerOutput:
     held the input batch's row rows[i] when the step was launched."""
 
     def __init__(self, seq_ids: list[int], rows: np.ndarray, token_ids: torch.Tensor, host: torch.Tensor,
-                 event: torch.cuda.Event | None, raw_logprobs: torch.Tensor | None,
+                 event: torch.cuda.Event | None, token_scores: tuple[torch.Tensor, ...] | None,
                  num_logprobs: list[int | None] | None, has_penalties: bool, on_ready: OnReady | None = None,
                  timer: tuple[torch.cuda.Event, torch.cuda.Event] | None = None) -> None:
         self.seq_ids = seq_ids
         self.rows = rows
         self.token_ids = token_ids
         self.has_penalties = has_penalties  # the next step cannot overlap this one: it needs these tokens
-        self._host, self._event, self._raw_logprobs = host, event, raw_logprobs
+        # The drawn tokens' logprobs, ranks, top ids and top logprobs (ops.token_logprobs), on the host once the
+        # event has passed
+        self._host, self._event, self._token_scores = host, event, token_scores
         self._num_logprobs, self._on_ready, self._timer = num_logprobs, on_ready, timer
         # The step's prompt logprobs on the device (prompt_logprobs.score), set by the runner after sampling
         self.prompt_scores: tuple[PromptScoring, HostScores] | None = None
@@ -134,10 +136,12 @@ class AsyncModelRunnerOutput:
         if self._on_ready is not None:
             self._on_ready(self.rows, np.array(self.seq_ids, dtype=np.int64), host)
         logprobs: list[list[dict[int, Logprob]] | None] = [None] * len(self.seq_ids)
-        if self._raw_logprobs is not None and self._num_logprobs is not None:
+        if self._token_scores is not None and self._num_logprobs is not None:
+            chosen, ranks, top_ids, top_logprobs = (t.tolist() for t in self._token_scores)
             for row, ((token,), top_n) in enumerate(zip(token_ids, self._num_logprobs)):
                 if top_n is not None:
-                    logprobs[row] = [_logprobs_of(self._raw_logprobs[row], token, top_n)]
+                    logprobs[row] = [_logprobs_of(token, chosen[row], ranks[row], top_ids[row][:top_n],
+                                                  top_logprobs[row][:top_n])]
         gpu_ms = None
         if self._timer is not None:
             start, end = self._timer
@@ -148,13 +152,12 @@ class AsyncModelRunnerOutput:
         return output if self.verification is None else self.verification.accept(output)
 
 
-def _logprobs_of(row: torch.Tensor, token: int, top_n: int) -> dict[int, Logprob]:
-    chosen = row[token]
-    result = {token: Logprob(chosen.item(), int((row > chosen).sum().item()) + 1)}
-    if top_n:
-        values, indices = row.topk(top_n)
-        for rank, (value, index) in enumerate(zip(values.tolist(), indices.tolist()), start=1):
-            result.setdefault(index, Logprob(value, rank))
+def _logprobs_of(token: int, chosen: float, rank: int, top_ids: list[int], top_logprobs: list[float]
+                 ) -> dict[int, Logprob]:
+    """A drawn token's logprobs entry: the token's own, then the top ones by rank (the token once, if among them)."""
+    result = {token: Logprob(chosen, rank)}
+    for top_rank, (index, value) in enumerate(zip(top_ids, top_logprobs), start=1):
+        result.setdefault(index, Logprob(value, top_rank))
     return result
 
 
@@ -180,15 +183,25 @@ class Sampler:
         Its outputs so far (num_tokens - num_prompt: before this step's token) count for min_tokens; the grammar's
         rows mask what their sequences may draw."""
         # The logits come in the model's dtype. Logprobs are those of the model's own distribution, before
-        # penalties and temperature, in float32; penalties are applied in float32 too (as vLLM).
-        raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32) if sampling.any_logprobs else None
+        # penalties and temperature, in float32; penalties are applied in float32 too (as vLLM). Penalties and
+        # min_tokens change a copy; the grammar's mask is written in place, so the raw logits are kept aside from it.
+        grammar_applies = grammar is not None and bool(grammar.seq_ids)
+        raw_logits = None
+        if sampling.any_logprobs:
+            raw_logits = logits.clone() if grammar_applies else logits
         if sampling.any_penalties:
             logits = self._apply_penalties(logits.float(), batch, rows)
         if sampling.any_min_tokens:
             logits = self._apply_min_tokens(logits, batch, rows)
-        if grammar is not None and grammar.seq_ids:
+        if grammar_applies:
             logits = self._apply_grammar(logits, grammar, seq_ids)
-        return self.output(self.draw(logits, sampling), sampling, batch, rows, seq_ids, on_ready, timer, raw_logprobs)
+        token_ids = self.draw(logits, sampling)
+        token_scores = None
+        if raw_logits is not None:
+            top_n = max((p.logprobs or 0 for p in (batch.params[row] for row in rows.tolist())), default=0)
+            chosen, ranks, _, top_ids, top_logprobs = ops.token_logprobs(raw_logits, token_ids, top_n)
+            token_scores = (chosen, ranks, top_ids, top_logprobs)
+        return self.output(token_ids, sampling, batch, rows, seq_ids, on_ready, timer, token_scores)
 
     def draw(self, logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
         """One token per row of `logits` (penalties and min_tokens already applied), on the device. Nothing here
@@ -205,15 +218,18 @@ class Sampler:
     def output(self, token_ids: torch.Tensor, sampling: SamplingTensors, batch: InputBatch, rows: np.ndarray,
                seq_ids: list[int], on_ready: OnReady | None = None,
                timer: tuple[torch.cuda.Event, torch.cuda.Event] | None = None,
-               raw_logprobs: torch.Tensor | None = None) -> AsyncModelRunnerOutput:
+               token_scores: tuple[torch.Tensor, ...] | None = None) -> AsyncModelRunnerOutput:
         """The step's output from tokens already drawn (by __call__, or by the model's greedy LM head), on their
-        way to the host."""
+        way to the host, with their logprobs (token_scores: __call__'s) where asked."""
         num_logprobs = None
         if sampling.any_logprobs:
             num_logprobs = [p.logprobs for p in (batch.params[row] for row in rows.tolist())]
         if timer is not None:
             timer[1].record()
-        return AsyncModelRunnerOutput(seq_ids, rows, token_ids, *self._to_host(token_ids), raw_logprobs, num_logprobs,
+        if token_scores is not None and token_scores[0].is_cuda:  # (queued before the tokens' copy and its event)
+            token_scores = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                                 for t in token_scores)
+        return AsyncModelRunnerOutput(seq_ids, rows, token_ids, *self._to_host(token_ids), token_scores, num_logprobs,
                                       sampling.any_penalties, on_ready, timer)
 
     def _to_host(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
