@@ -36,7 +36,7 @@ for module, name, constants, pointers, num_warps in json.loads(sys.argv[1]):
     compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": 3})
     ptx = compiled.asm["ptx"]
-    assert "griddepcontrol.wait" in ptx, f"{name} {constants}: no PDL wait"
+    assert "griddepcontrol.wait" in ptx or "USE_PDL" not in constants, f"{name} {constants}: no PDL wait"
     if name == "_paged_decode_kernel":  # its first keys are asked of L2 while the kernel before finishes
         assert -1 < ptx.find("prefetch.global.L2") < ptx.index("griddepcontrol.wait"), f"{constants}: no prefetch"
     if pointers.get("v_cache_ptr") == "*fp8e4nv":  # (attention._values_as: else sm_90 reads V a byte at a time)
@@ -120,6 +120,10 @@ CASES = [
        8 if norm else 4) for norm in (False, True)],
     ("tinyvllm.ops.gemv", "_gemv_kernel", _gemv(2, 2048, True, False, True), {**_ROPE, **_FP8}, 4),
     ("tinyvllm.ops.activation", "_gelu_tanh_and_mul_kernel", dict(BLOCK=1024, USE_PDL=True), {}, 4),  # (Gemma 2)
+    # Prompt and sample logprobs (no PDL: it runs after the sampler's host work), with and without the running top k
+    *[("tinyvllm.ops.logprobs", "_token_logprobs_kernel", dict(HAS_TOP=top, TOP=8, BLOCK=2048),
+       {"targets_ptr": "*i64", "logprob_ptr": "*fp32", "rank_ptr": "*i32", "lse_ptr": "*fp32", "top_ids_ptr": "*i64",
+        "top_logprobs_ptr": "*fp32"}, 8) for top in (False, True)],
 ]
 
 

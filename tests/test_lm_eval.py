@@ -2,8 +2,10 @@
 of its own (a JSONL and a task YAML written here; nothing is downloaded) scored through the `local-completions`
 backend (echo and logprobs over token-id prompts, the server's tokenizer through /tokenizer_info, /tokenize and
 /detokenize) on the embedded model, and through lm-eval's `hf` backend (transformers on the same GGUF, float32).
-The two accuracies must be equal but for near ties: a question whose best two choices transformers scores within
-NEAR_TIE of each other may flip; each flip is printed."""
+The server runs the model in float32 (--dtype float32), as transformers does: the two accuracies must be equal but for
+near ties (a question whose best two choices transformers scores within NEAR_TIE of each other may flip; each flip is
+printed). The server's default on the CPU, the GGUF's own 4-bit and 8-bit weights, is scored too: within one question
+of transformers' float32 accuracy."""
 
 from __future__ import annotations
 
@@ -82,11 +84,15 @@ def test_local_completions_scores_as_transformers(tmp_path: Path, capsys) -> Non
     (tmp_path / "tiny_facts.yaml").write_text(TASK.format(data=data))
     gguf = embedded_model_path()
 
-    with serve(tmp_path, gguf, "--served-model-name", "smol", "--log-level", "warning") as server:
-        _wait_healthy(server)
-        served = _lm_eval(tmp_path, "served", "local-completions",
-                          f"model=smol,base_url={server.url}/v1/completions,tokenizer_backend=remote,"
-                          "tokenized_requests=True,num_concurrent=4,max_retries=1")
+    def served_by(name: str, *args: str) -> list[dict]:
+        with serve(tmp_path, gguf, "--served-model-name", "smol", "--log-level", "warning", *args) as server:
+            _wait_healthy(server)
+            return _lm_eval(tmp_path, name, "local-completions",
+                            f"model=smol,base_url={server.url}/v1/completions,tokenizer_backend=remote,"
+                            "tokenized_requests=True,num_concurrent=4,max_retries=1")
+
+    served = served_by("served", "--dtype", "float32")
+    quantized = served_by("served-gguf-types")
     reference = _lm_eval(tmp_path, "hf", "hf", f"pretrained={os.path.dirname(gguf)},"
                          f"gguf_file={os.path.basename(gguf)},dtype=float32", "--device", "cpu")
 
@@ -97,11 +103,12 @@ def test_local_completions_scores_as_transformers(tmp_path: Path, capsys) -> Non
         if ours["acc"] != theirs["acc"]:
             scores = sorted((float(r[0]) for r in theirs["filtered_resps"]), reverse=True)
             flips.append((theirs["doc"]["question"], scores[0] - scores[1]))
-    accuracy = [sum(row["acc"] for row in rows) / len(rows) for rows in (served, reference)]
+    accuracy = [sum(row["acc"] for row in rows) / len(rows) for rows in (served, reference, quantized)]
     with capsys.disabled():
         print(f"\nlm-eval tiny_facts ({len(QUESTIONS)} questions): local-completions on tinyvllm serve "
-              f"acc {accuracy[0]:.3f}, hf (transformers) acc {accuracy[1]:.3f}; flips {flips}; choices' "
-              f"loglikelihoods differ by up to {max(gaps):.2e} nats")
+              f"acc {accuracy[0]:.3f} (float32), {accuracy[2]:.3f} (the GGUF's own types); hf (transformers) acc "
+              f"{accuracy[1]:.3f}; flips {flips}; choices' loglikelihoods differ by up to {max(gaps):.2e} nats")
+    assert abs(accuracy[2] - accuracy[1]) <= 1 / len(QUESTIONS) + 1e-9
     assert all(gap < NEAR_TIE for _, gap in flips), flips
     assert accuracy[0] == pytest.approx(accuracy[1], abs=len(flips) / len(QUESTIONS) + 1e-9)
     assert accuracy[1] > 0.25  # (better than chance: the task and the model are real)
