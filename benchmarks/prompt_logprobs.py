@@ -67,7 +67,7 @@ def main() -> None:
     prompts = [[random.randint(2, min(vocab, 10000) - 1) for _ in range(prompt_len)] for _ in range(num_prompts)]
     if cpu:
         path = embedded_model_path()
-        llm = LLM(path, device="cpu", enable_prefix_caching=False, max_num_seqs=num_prompts,
+        llm = LLM(path, device="cpu", dtype="float32", enable_prefix_caching=False, max_num_seqs=num_prompts,
                   max_num_batched_tokens=4096, max_model_len=prompt_len + 16)
     else:
         path = random_llama_1b()
