@@ -9,6 +9,7 @@ launch); decode attention must prefetch its first keys into L2 before that wait,
 from __future__ import annotations
 
 from tests.utils import compile_for_hopper
+from tinyvllm.ops.fp8 import MIN_TOKEN_SCALE
 
 # Prints "compiled N". Arguments: (module, kernel, constexprs, pointer types, num_warps) per kernel; pointers not
 # named are bf16, qk_scale is a float, every other argument an int32.
@@ -30,8 +31,10 @@ for module, name, constants, pointers, num_warps in json.loads(sys.argv[1]):
             signature[arg] = pointers.get(arg, "*bf16")
         else:
             signature[arg] = "fp32" if arg in ("qk_scale", "eps") else "i32"
-        # As the JIT specializes the engine's launches: tensors 16-byte aligned, strides multiples of 16.
-        if (arg.endswith("_ptr") or arg.startswith("stride")) and not param.do_not_specialize:
+        # As the JIT specializes the engine's launches: tensors 16-byte aligned, strides (and a product's N, K and
+        # split) multiples of 16.
+        aligned = arg.endswith("_ptr") or arg.startswith("stride") or arg in ("N", "K", "k_per_split")
+        if aligned and arg not in constants and not param.do_not_specialize:
             attrs[(index,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": 3})
@@ -39,6 +42,8 @@ for module, name, constants, pointers, num_warps in json.loads(sys.argv[1]):
     assert "griddepcontrol.wait" in ptx or "USE_PDL" not in constants, f"{name} {constants}: no PDL wait"
     if name == "_paged_decode_kernel":  # its first keys are asked of L2 while the kernel before finishes
         assert -1 < ptx.find("prefetch.global.L2") < ptx.index("griddepcontrol.wait"), f"{constants}: no prefetch"
+    if pointers.get("w_ptr") == "*fp8e4nv":  # (a float8 weight tile loaded a byte at a time halves the bandwidth)
+        assert "ld.global.b8" not in ptx, f"{name} {constants}: a float8 tile loaded a byte at a time"
     if pointers.get("v_cache_ptr") == "*fp8e4nv":  # (attention._values_as: else sm_90 reads V a byte at a time)
         assert "ld.shared.b8" not in ptx, f"{name}: a float8 tile read from shared memory a byte at a time"
     if name == "_paged_decode_kernel":  # K and V tiles in 16-byte asynchronous copies, never element by element
@@ -127,5 +132,40 @@ CASES = [
 ]
 
 
+_FUSED = dict(NORM_BLOCK=256, W_K_CONTIGUOUS=True, NORM=False, HAS_RESIDUAL=False, SILU_MUL=False, ARGMAX=False,
+              W_SCALED=True, PRECISION="tf32", USE_PDL=True)
+_FUSED_POINTERS = {"w_ptr": "*fp8e4nv", "partial_ptr": "*fp32", "counter_ptr": "*i32", "keys_ptr": "*i64",
+                   "scale_ptr": "*fp32"}
+_GEMV = dict(BLOCK_K=2048, NORM=True, HAS_RESIDUAL=True, SILU_MUL=False, ROPE=False, HALF=32, EVEN_K=True,
+             W_SCALED=True, USE_PDL=True)
+_GEMV_POINTERS = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "positions_ptr": "*i64", "cos_sin_ptr": "*fp32",
+                  "slot_ptr": "*i64"}
+# Float8 weights (quantization="fp8"): the per-token quantization, the GEMV and the tiled kernel reading float8 weights
+# with their scales (W_SCALED), never a byte at a time
+FP8_WEIGHT_CASES = [
+    ("tinyvllm.ops.fp8", "_quantize_per_token_kernel", dict(BLOCK=2048, MIN_SCALE=MIN_TOKEN_SCALE, USE_PDL=True),
+     {"x8_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}, 4),
+    # the GEMV: qkv with RoPE + KV store, gate_up with SiLU·mul, down (K 8192)
+    ("tinyvllm.ops.gemv", "_gemv_kernel", {**_GEMV, "BLOCK_N": 4, "ROPE": True}, _GEMV_POINTERS, 4),
+    ("tinyvllm.ops.gemv", "_gemv_kernel", {**_GEMV, "BLOCK_N": 4, "SILU_MUL": True}, _GEMV_POINTERS, 4),
+    ("tinyvllm.ops.gemv", "_gemv_kernel", {**_GEMV, "BLOCK_N": 2, "BLOCK_K": 8192, "NORM": False,
+                                           "HAS_RESIDUAL": False}, _GEMV_POINTERS, 4),
+    # the tiled kernel: tl.dot with the norm, SiLU·mul and split K; the LM head's argmax at one row and at 64
+    ("tinyvllm.ops.fused_linear", "_fused_linear_kernel",
+     {**_FUSED, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2, "NORM": True, "HAS_RESIDUAL": True,
+      "SILU_MUL": True}, _FUSED_POINTERS, 4),
+    ("tinyvllm.ops.fused_linear", "_fused_linear_kernel",  # (a float32 model: the weight converted to float32)
+     {**_FUSED, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "PRECISION": "ieee"},
+     {**_FUSED_POINTERS, **{name: "*fp32" for name in ("y_ptr", "x_ptr", "residual_ptr", "new_residual_ptr",
+                                                         "norm_weight_ptr")}}, 4),
+    ("tinyvllm.ops.fused_linear", "_fused_linear_kernel",
+     {**_FUSED, "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 1, "ARGMAX": True},
+     {**_FUSED_POINTERS, "y_ptr": "*i64"}, 4),
+    ("tinyvllm.ops.fused_linear", "_fused_linear_kernel",
+     {**_FUSED, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "ARGMAX": True},
+     {**_FUSED_POINTERS, "y_ptr": "*i64"}, 4),
+]
+
+
 def test_kernels_compile_for_hopper() -> None:
-    compile_for_hopper(COMPILE_FOR_HOPPER, CASES, 600)
+    compile_for_hopper(COMPILE_FOR_HOPPER, CASES + FP8_WEIGHT_CASES, 600)
