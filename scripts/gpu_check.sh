@@ -6,8 +6,9 @@
 # compare), tests-fp8 (the GPU tests of its kernels and engine), kernels-fp8 (decode attention on it) and sweep-fp8
 # (its decode tiles);
 # products-256 (cuBLAS and our Triton tiles at a 128- and 256-sequence step's rows); sampling (the sampling table)
-# and tests-sampling (the sampler's GPU tests); for float8 weights: fp8-kernels (their products against bf16 cuBLAS)
-# and tests-fp8-weights (their GPU tests), e.g.
+# and tests-sampling (the sampler's GPU tests); for float8 weights: fp8-kernels (their products against bf16 cuBLAS),
+# tests-fp8-weights (their GPU tests), latency-fp8 and throughput-fp8-weights (with the fp8 KV cache); the other
+# families' shapes: latency-qwen3, latency-gemma2; prompt-logprobs; tests-new (the GPU tests of the newest work), e.g.
 #     bash scripts/gpu_check.sh tests latency
 # PYTHON picks the interpreter (default python3); LIMIT_S the seconds per part (default 300, and 900 for the tests:
 # on an H100 the 209 GPU tests took more than 280 s, and the float8 KV cache's engine tests start six engines more).
@@ -37,11 +38,17 @@ for part in "${parts[@]}"; do
         fp8-kernels) command=("$python" benchmarks/bench_fp8.py) ;;
         tests-fp8-weights) command=("$python" -m pytest -q -m cuda -p no:cacheprovider tests/gpu -k fp8_linear) ;;
         prompt-logprobs) command=("$python" benchmarks/prompt_logprobs.py) ;;
+        latency-fp8) command=("$python" benchmarks/latency.py --no-peer --quantization fp8) ;;
+        throughput-fp8-weights) command=("$python" benchmarks/throughput.py --trace --no-peer --no-static
+                                         --kv-cache-dtype fp8 --quantization fp8) ;;
+        latency-qwen3|latency-gemma2) command=("$python" benchmarks/latency.py --no-peer
+                                               --shape "$([ "$part" = latency-qwen3 ] && echo qwen3-1.7b || echo gemma2-2b)") ;;
         tests-new) command=("$python" -m pytest -q -m cuda -p no:cacheprovider tests/gpu
-                            -k "window or softcap or bitmask or prompt_logprobs") ;;
+                            -k "window or softcap or bitmask or prompt_logprobs or token_logprobs or gelu or gemma2 or families or fp8_weights") ;;
         *) echo "unknown part: $part (tests, latency, throughput, shared-prefix, serve, serve-floor," \
                 "throughput-fp8, tests-fp8, kernels-fp8, sweep-fp8, products-256," \
-                "sampling, tests-sampling, fp8-kernels, tests-fp8-weights, prompt-logprobs, tests-new)" >&2
+                "sampling, tests-sampling, fp8-kernels, tests-fp8-weights, prompt-logprobs, tests-new," \
+                "latency-fp8, throughput-fp8-weights, latency-qwen3, latency-gemma2)" >&2
            exit 2 ;;
     esac
     part_limit=$limit
