@@ -45,7 +45,7 @@ def test_json_schema_regex_and_choice_hold(async_scheduling: bool) -> None:
     choices = ["yes", "no", "maybe later"]
     choice_params = [SamplingParams(temperature=0.8, seed=i, max_tokens=10,
                                     structured_outputs=_constrained(choice=choices)) for i in range(3)]
-    free = [SamplingParams(temperature=0.8, seed=i, max_tokens=12) for i in range(2)]
+    free = [SamplingParams(temperature=0.8, seed=i, max_tokens=12, ignore_eos=True) for i in range(2)]
     prompts = [PROMPT] * 6 + ["Name and age of a person:"] * 3 + ["Will it rain tomorrow? Answer:"] * 3 + ["Hi"] * 2
     outputs = llm.generate(prompts, json_params + regex_params + choice_params + free, use_tqdm=False)
     for output in outputs[:6]:

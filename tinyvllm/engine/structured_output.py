@@ -120,10 +120,13 @@ class StructuredOutputManager:
                 info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_limit_bytes=_CACHE_LIMIT_BYTES)
         kind, spec = key
+        # JSON as compact text (vLLM's disable_any_whitespace): where any whitespace may stand between tokens, a small
+        # or quantized model can emit newlines until max_tokens (the embedded model's 4-bit weights did, inside an
+        # object) and never close its answer.
         if kind == "json":
-            return self._compiler.compile_json_schema(spec)
+            return self._compiler.compile_json_schema(spec, any_whitespace=False)
         if kind == "json_object":  # (an object, as OpenAI's JSON mode gives and vLLM compiles it)
-            return self._compiler.compile_json_schema('{"type": "object"}')
+            return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if kind == "regex":
             return self._compiler.compile_regex(spec)
         if kind == "choice":
