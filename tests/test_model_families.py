@@ -219,3 +219,33 @@ def test_gemma_norm_loads_one_plus_w_and_folds_as_llamas() -> None:
     unfolded = linear(norm(x)[0])
     norm.fold_into(linear)
     torch.testing.assert_close(linear(norm(x)[0]), unfolded, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fp8_weights_in_every_family(tmp_path, name: str) -> None:
+    """quantization="fp8" in each family (biases, per-head q/k norms, Gemma 2's four norms and GELU gate): the linear
+    layers hold float8 weights, and the logits move from transformers' float32 by no more than transformers' own
+    with each linear weight (not the LM head's) rounded to float8 per output channel (1.25x: ours rounds the weights
+    after folding the norms, where a family folds them); where nothing is folded, they are those logits."""
+    import transformers
+
+    from tinyvllm.ops.fp8 import quantize_fp8_weight
+
+    family, config = CONFIGS[name]
+    path = _save(str(tmp_path / name), family, seed=len(name), **config)
+    hf = getattr(transformers, f"{family}ForCausalLM").from_pretrained(path, **HF_ARGS).eval()
+    ids = [(13 * j + 7) % 250 + 2 for j in range(40)]
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+        for module_name, module in hf.named_modules():
+            if isinstance(module, torch.nn.Linear) and module_name != "lm_head":
+                w8, scale = quantize_fp8_weight(module.weight)
+                module.weight.copy_(w8.float() * scale[:, None])
+        rounded = hf(torch.tensor([ids])).logits[0].float()
+    llm = LLM(path, skip_tokenizer_init=True, device="cpu", num_kv_blocks=16, quantization="fp8")
+    layer = llm.llm_engine.engine_core.model_runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.dtype == layer.mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    ours = our_logits(llm, ids)
+    assert relative_error(ours, ref) <= 1.25 * relative_error(rounded, ref) + 1e-5
+    if not getattr(llm.llm_engine.engine_core.model_runner.model.model, "norms_folded", False):
+        assert relative_error(ours, rounded) < 1e-4  # (the same weights rounded the same way: the same logits)
