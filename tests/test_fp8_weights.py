@@ -93,10 +93,8 @@ def test_quantization_fp8_stores_float8_weights_and_stays_near_the_model(tiny) -
     assert relative_error(ours, ref) < 1.25 * relative_error(rounded, ref)
     agreement = [(logits.argmax(-1) == ref.argmax(-1)).float().mean() for logits in (ours, rounded)]
     assert agreement[0] >= agreement[1] - 0.1, agreement
-    plain = LLM(tiny, skip_tokenizer_init=True, device="cpu", num_kv_blocks=16)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    tokens = [llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids for llm in (llm, plain)]
-    assert len(tokens[0]) == 16  # (greedy agreement with bf16 weights is measured, not required: near-ties flip)
+    assert len(llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids) == 16
 
 
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])

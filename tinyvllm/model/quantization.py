@@ -91,7 +91,8 @@ class Fp8LinearMethod:
         else:
             w8, scale = layer.weight.data, layer.weight_scale.data
             if self.config.weight_strategy == "tensor":  # each shard's scale, repeated over its rows
-                scale = torch.cat([scale[i].expand(rows) for i, (_, rows) in enumerate(_shard_rows(layer))])
+                scale = torch.cat([ops.per_channel_scale(scale[i], rows)
+                                   for i, (_, rows) in enumerate(_shard_rows(layer))])
         layer.weight = nn.Parameter(w8.contiguous(), requires_grad=False)
         layer.weight_scale = nn.Parameter(scale.float().contiguous(), requires_grad=False)
 
