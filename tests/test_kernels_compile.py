@@ -120,11 +120,12 @@ CASES = [
        dict(HALF=32, BLOCK_Q_HEADS=32, BLOCK_KV_HEADS=8, NORM=norm, BLOCK_HIDDEN=2048 if norm else 1, USE_PDL=True),
        {"positions_ptr": "*i64", "cache_ptr": "*fp32", "slot_mapping_ptr": "*i64", **caches}, 4)
       for norm in (False, True) for caches in ({}, _FP8)],
-    *[("tinyvllm.ops.activation", "_silu_and_mul_kernel",
-       dict(BLOCK=4096 if norm else 1024, NORM=norm, BLOCK_HIDDEN=2048 if norm else 1, USE_PDL=True), {},
+    *[("tinyvllm.ops.activation", "_gated_mul_kernel",
+       dict(BLOCK=4096 if norm else 1024, NORM=norm, BLOCK_HIDDEN=2048 if norm else 1, GELU=False, USE_PDL=True), {},
        8 if norm else 4) for norm in (False, True)],
     ("tinyvllm.ops.gemv", "_gemv_kernel", _gemv(2, 2048, True, False, True), {**_ROPE, **_FP8}, 4),
-    ("tinyvllm.ops.activation", "_gelu_tanh_and_mul_kernel", dict(BLOCK=1024, USE_PDL=True), {}, 4),  # (Gemma 2)
+    ("tinyvllm.ops.activation", "_gated_mul_kernel",  # (Gemma 2's gate)
+     dict(BLOCK=1024, NORM=False, BLOCK_HIDDEN=1, GELU=True, USE_PDL=True), {}, 4),
     # Prompt and sample logprobs (no PDL: it runs after the sampler's host work), with and without the running top k
     *[("tinyvllm.ops.logprobs", "_token_logprobs_kernel", dict(HAS_TOP=top, TOP=8, BLOCK=2048),
        {"targets_ptr": "*i64", "logprob_ptr": "*fp32", "rank_ptr": "*i32", "lse_ptr": "*fp32", "top_ids_ptr": "*i64",
