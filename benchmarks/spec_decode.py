@@ -9,6 +9,11 @@ counters (vLLM's spec_decode metrics).
 
     python benchmarks/spec_decode.py --small    (CPU: the embedded SmolLM2-135M, float32, a few requests)
     python benchmarks/spec_decode.py [--model DIR]    (GPU: the embedded model, or DIR)
+    python benchmarks/spec_decode.py --model DIR --draft-model random    (and a draft model beside n-gram)
+
+--draft-model adds draft-model speculation (a smaller model with the target's vocabulary; "random": a 4-layer
+random-weight Llama, whose guesses a random target seldom accepts: such a run measures what drafting costs, and its
+acceptance says nothing about real models).
 
 The copying workload asks the model to repeat a paragraph with one word changed (code editing and quoting look like
 this); open chat asks questions whose answers repeat little, where proposals are rarely found and seldom accepted."""
@@ -58,6 +63,8 @@ def main() -> None:
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=5)
     parser.add_argument("--repeat", type=int, default=3, help="alternated rounds; each run's best is kept")
+    parser.add_argument("--draft-model", default=None, help="also a draft model's speculation: its directory or "
+                                                            ".gguf, or 'random' (a small random-weight Llama)")
     args = parser.parse_args()
 
     import torch
@@ -75,6 +82,12 @@ def main() -> None:
     memory = {} if small else {"num_kv_blocks": 1024}
     engines = {"off": LLM(args.model, device=device, **memory),
                "ngram": LLM(args.model, device=device, speculative_config=speculative, **memory)}
+    if args.draft_model:
+        draft = args.draft_model
+        if draft == "random":
+            draft = random_draft(engines["off"].llm_engine.model_config.vocab_size, small)
+        engines["draft"] = LLM(args.model, device=device, speculative_config={
+            "method": "draft_model", "model": draft, "num_speculative_tokens": args.num_speculative_tokens}, **memory)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     workloads = {name: [engines["off"].apply_chat_template([{"role": "user", "content": q}])
                         for q in questions[:num_prompts]] for name, questions in (("copy", COPY), ("chat", CHAT))}
@@ -87,21 +100,33 @@ def main() -> None:
           f"{args.repeat} alternated rounds" + (" (a shared, busy machine: the ratios vary from run to run)"
                                                 if small else ""))
     for name, prompts in workloads.items():
-        best = {"off": 0.0, "ngram": 0.0}
+        best = dict.fromkeys(engines, 0.0)
         outputs, counts = {}, {}
         for _ in range(args.repeat):
             for mode, llm in engines.items():
                 rate, outputs[mode], counts[mode] = run(llm, prompts, params)
                 best[mode] = max(best[mode], rate)
-        c = counts["ngram"]
-        drafts, proposed, accepted = c["spec_decode_num_drafts"], c["spec_decode_num_draft_tokens"], \
-            c["spec_decode_num_accepted_tokens"]
-        length = 1 + accepted / drafts if drafts else 1.0
-        share = accepted / proposed if proposed else 0.0
-        same = "same output" if outputs["ngram"] == outputs["off"] else "OUTPUTS DIFFER"
-        print(f"  {name:5s} off {best['off']:7.1f} tok/s   ngram {best['ngram']:7.1f} tok/s   "
-              f"{best['ngram'] / best['off']:.2f}x   acceptance length {length:.2f} ({share:.0%} of {proposed:.0f} "
-              f"proposals in {drafts:.0f} verifications)   {same}")
+        print(f"  {name:5s} off {best['off']:7.1f} tok/s")
+        for mode in list(engines)[1:]:
+            c = counts[mode]
+            drafts, proposed, accepted = c["spec_decode_num_drafts"], c["spec_decode_num_draft_tokens"], \
+                c["spec_decode_num_accepted_tokens"]
+            length = 1 + accepted / drafts if drafts else 1.0
+            share = accepted / proposed if proposed else 0.0
+            same = "same output" if outputs[mode] == outputs["off"] else "OUTPUTS DIFFER"
+            print(f"        {mode:5s} {best[mode]:7.1f} tok/s   {best[mode] / best['off']:.2f}x   acceptance length "
+                  f"{length:.2f} ({share:.0%} of {proposed:.0f} proposals in {drafts:.0f} verifications)   {same}")
+
+
+def random_draft(vocab_size: int, small: bool) -> str:
+    """A random-weight 4-layer Llama with the target's vocabulary (bf16 on a GPU, float32 on the CPU)."""
+    from tinyvllm.entrypoints.bench_offline import LLAMA_1B, random_llama
+
+    shape = {**LLAMA_1B, "vocab_size": vocab_size, "hidden_size": 512, "intermediate_size": 1536,
+             "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+             "bos_token_id": 0, "eos_token_id": 1}
+    dtype = "float32" if small else "bfloat16"
+    return random_llama(f"/tmp/draft-random-vocab{vocab_size}-{dtype}", shape, dtype)
 
 
 if __name__ == "__main__":

@@ -36,9 +36,14 @@ def test_speculative_config_defaults_and_refusals():
         == SpeculativeConfig("ngram", 2, 4, 4)
     assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2}) \
         == SpeculativeConfig("ngram", 2, 2, 2)
+    assert SpeculativeConfig.parse({"model": "/some/where", "num_speculative_tokens": 3}) \
+        == SpeculativeConfig("draft_model", 3, model="/some/where")  # (vLLM's rule: a model means a draft model)
     refusals = {
-        "not built yet": {"method": "draft_model", "model": "/some/where", "num_speculative_tokens": 3},
-        "method must be one of ngram": {"method": "eagle", "num_speculative_tokens": 3},
+        "needs 'model'": {"method": "draft_model", "num_speculative_tokens": 3},
+        "prompt_lookup_max is the 'ngram' method's": {"method": "draft_model", "model": "/some/where",
+                                                      "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+        "'ngram' takes no 'model'": {"method": "ngram", "model": "/some/where", "num_speculative_tokens": 3},
+        "method must be one of ngram, draft_model": {"method": "eagle", "num_speculative_tokens": 3},
         "num_speculative_tokens must be a positive integer": {"method": "ngram"},
         "prompt_lookup_min=4 is more than prompt_lookup_max=2": {"method": "ngram", "num_speculative_tokens": 2,
                                                                  "prompt_lookup_min": 4, "prompt_lookup_max": 2},
@@ -48,6 +53,9 @@ def test_speculative_config_defaults_and_refusals():
     for message, value in refusals.items():
         with pytest.raises(ConfigError, match=message):
             EngineConfig.from_kwargs(speculative_config=value)
+    with pytest.raises(ConfigError, match="draft model runs with tensor_parallel_size 1"):
+        EngineConfig.from_kwargs(speculative_config={"model": "/some/where", "num_speculative_tokens": 3},
+                                 tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="without async scheduling"):
         EngineConfig.from_kwargs(speculative_config=NGRAM, async_scheduling=True)
     assert not EngineConfig.from_kwargs(speculative_config=NGRAM).resolve_async_scheduling(torch.device("cuda"))
@@ -292,18 +300,21 @@ def _chi_square_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 @torch.inference_mode()
-def test_sampling_with_speculation_follows_the_target_distribution(tmp_path):
+def test_sampling_with_speculation_follows_the_target_distribution(tmp_path, method):
     """The joint distribution of output tokens 2 and 3 (the first that proposals decide: token 3 comes from an
     accepted proposal's position) against the exact one, from the Hugging Face model, at temperature 0.9 and
-    top_k 5 over a vocabulary of 8."""
+    top_k 5 over a vocabulary of 8. The draft model is the target itself: its greedy guesses are the likeliest
+    tokens, accepted often and rejected often."""
     vocab, temperature, top_k = 8, 0.9, 5
     path = save_tiny_llama(str(tmp_path), seed=4, vocab_size=vocab, initializer_range=0.6, bos_token_id=0,
                            eos_token_id=1)
     prompt = [2, 3, 4, 5, 2, 3, 4, 5, 2, 3]
     num_samples = 3000
     params = SamplingParams(temperature=temperature, top_k=top_k, max_tokens=3, ignore_eos=True)
-    spec, stats = _generate(path, [prompt] * num_samples, params, speculative_config=NGRAM)
+    speculative = NGRAM if method == "ngram" else _draft(path)
+    spec, stats = _generate(path, [prompt] * num_samples, params, speculative_config=speculative)
     assert stats["spec_decode_num_drafts"] > num_samples / 2
     observed = Counter(tuple(o.outputs[0].token_ids[1:]) for o in spec)
 
@@ -343,3 +354,68 @@ def test_metrics_export_the_counters_with_vllms_names():
     text = ServerMetrics(Engine(), "m").render()[0].decode()  # type: ignore[arg-type]
     for name, value in (("num_drafts", 3), ("num_draft_tokens", 12), ("num_accepted_tokens", 7)):
         assert f'tinyvllm:spec_decode_{name}_total{{model_name="m"}} {value:.1f}' in text
+
+
+# ---- draft-model proposals ----------------------------------------------------------------------------------------
+def _draft(path: str, k: int = 4) -> dict:
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory) -> str:
+    """A smaller random Llama (one layer) of the same vocabulary: its guesses are seldom the target's."""
+    return save_tiny_llama(str(tmp_path_factory.mktemp("draft")), seed=21, num_hidden_layers=1)
+
+
+def test_a_draft_model_that_is_the_target_has_its_guesses_accepted(checkpoint):
+    """The target as its own draft guesses what the target draws: a wrong K/V in the draft's cache (a rejected
+    guess kept, a catch-up chunk misplaced, blocks mixed up between sequences) would show as rejections. The
+    prompts' catching up is split over steps (max_num_batched_tokens 16)."""
+    prompts = _repeating_prompts(6, seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 1, 2, 17, 33, 26)]
+    plain, _ = _generate(checkpoint, prompts, params)
+    spec, stats = _generate(checkpoint, prompts, params, speculative_config=_draft(checkpoint),
+                            max_num_batched_tokens=16)
+    assert _tokens(spec) == _tokens(plain)
+    proposed, accepted = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
+    assert proposed > 50 and accepted >= 0.95 * proposed  # (float32 near-ties between its two paths aside)
+
+
+@pytest.mark.parametrize("batch_size", [1, 7])
+def test_greedy_equals_greedy_without_speculation_with_a_draft_model(checkpoint, draft, batch_size):
+    prompts = _repeating_prompts(batch_size, seed=10 + batch_size)
+    max_tokens = [33, 1, 2, 5, 13, 21, 8][:batch_size]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    plain, _ = _generate(checkpoint, prompts, params)
+    spec, stats = _generate(checkpoint, prompts, params, speculative_config=_draft(draft, k=3))
+    assert _tokens(spec) == _tokens(plain)
+    assert stats["spec_decode_num_drafts"] > 0
+
+
+def test_greedy_equal_with_a_draft_model_under_preemption(checkpoint):
+    prompts = _repeating_prompts(8, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain, _ = _generate(checkpoint, prompts, params)
+    kwargs = dict(num_kv_blocks=14, block_size=8, speculative_config=_draft(checkpoint))
+    spec, stats = _generate(checkpoint, prompts, params, **kwargs)
+    assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    assert _tokens(spec) == _tokens(plain)
+
+
+def test_seeded_sampling_draws_the_same_tokens_with_a_draft_model(checkpoint, draft):
+    prompts = _repeating_prompts(4, seed=8)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=24, ignore_eos=True)
+              for i in range(len(prompts))]
+    plain, _ = _generate(checkpoint, prompts, params)
+    for path in (checkpoint, draft):
+        spec, stats = _generate(checkpoint, prompts, params, speculative_config=_draft(path))
+        assert stats["spec_decode_num_drafts"] > 0
+        assert _tokens(spec) == _tokens(plain)
+
+
+def test_a_draft_model_with_a_larger_vocabulary_is_refused(checkpoint, tmp_path):
+    from tinyvllm import LLM
+
+    big = save_tiny_llama(str(tmp_path), seed=1, num_hidden_layers=1, vocab_size=512)
+    with pytest.raises(ConfigError, match="vocabulary .512 tokens. is larger than the target's"):
+        LLM(checkpoint, skip_tokenizer_init=True, device="cpu", speculative_config=_draft(big))

@@ -296,9 +296,8 @@ def check_tensor_parallel_size(config: ModelConfig, tensor_parallel_size: int, d
             raise ConfigError(f"tensor_parallel_size={size} needs {size} GPUs, but {available} are visible")
 
 
-# speculative_config's methods (vLLM's names): "ngram" proposes by prompt lookup; "draft_model" is vLLM's too, not
-# built here yet.
-SPECULATIVE_METHODS = ("ngram",)
+# speculative_config's methods (vLLM's names): "ngram" proposes by prompt lookup, "draft_model" by a smaller model.
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 _SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
 
 
@@ -309,12 +308,14 @@ class SpeculativeConfig:
     may give a sequence several tokens, with the output distribution unchanged. method "ngram" (prompt lookup): the
     tokens that followed the latest prompt_lookup_max .. prompt_lookup_min tokens where they occurred before in the
     sequence's prompt or output (spec_decode/ngram_proposer.py). vLLM's defaults: both lookup bounds 5, or the one
-    given."""
+    given. method "draft_model": the greedy tokens of a smaller model at `model` (a directory or .gguf) with the
+    target's tokenizer, run by the same engine with a KV cache of its own (spec_decode/draft_model.py)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
+    model: str | None = None
 
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig | None:
@@ -334,20 +335,27 @@ class SpeculativeConfig:
         if unknown:
             raise ConfigError("speculative_config: " + "; ".join(
                 _unknown_argument(key, list(_SPECULATIVE_KEYS)).replace("engine argument", "key") for key in unknown))
-        method = value.get("method")
-        if method == "draft_model" or (method is None and value.get("model") is not None):
-            raise ConfigError("speculative_config: method 'draft_model' is not built yet in tinyvllm; use "
-                              """{"method": "ngram", "num_speculative_tokens": K} (prompt lookup, no draft model)""")
+        model = value.get("model")
+        method = value.get("method", "draft_model" if model is not None else None)  # (vLLM's rule)
         if method not in SPECULATIVE_METHODS:
             raise ConfigError(f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}, not "
                               f"{method!r}")
-        if value.get("model") is not None:
-            raise ConfigError("speculative_config: method 'ngram' takes no 'model' (it proposes from the sequence's "
-                              "own tokens)")
         k = value.get("num_speculative_tokens")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError(f"speculative_config: num_speculative_tokens must be a positive integer (the tokens "
                               f"proposed per step, say 2 to 8), not {k!r}")
+        lookup = [key for key in ("prompt_lookup_min", "prompt_lookup_max") if value.get(key) is not None]
+        if method == "draft_model":
+            if not isinstance(model, str) or not model:
+                raise ConfigError("speculative_config: method 'draft_model' needs 'model', the draft model's "
+                                  f"directory or .gguf (a smaller model with the target's tokenizer), not {model!r}")
+            if lookup:
+                raise ConfigError(f"speculative_config: {lookup[0]} is the 'ngram' method's; method 'draft_model' "
+                                  "takes 'model' and 'num_speculative_tokens'")
+            return cls(method, k, model=model)
+        if model is not None:
+            raise ConfigError("speculative_config: method 'ngram' takes no 'model' (it proposes from the sequence's "
+                              "own tokens)")
         low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         low, high = (5, 5) if low is None and high is None else (high if low is None else low,
                                                                  low if high is None else high)
@@ -421,8 +429,9 @@ class EngineConfig:
                                             "are token ids")
     speculative_config: dict[str, Any] | str | None = _arg(
         None, "speculative decoding, as JSON (vLLM's keys): '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-              "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' proposes tokens by prompt lookup and verifies "
-              "them in one step (output unchanged; async scheduling off); none: off", type=str)
+              "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' proposes tokens by prompt lookup, "
+              "'{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": 4}' by a smaller model; "
+              "the target verifies them in one step (output unchanged; async scheduling off); none: off", type=str)
     seed: int = _arg(0, "seed of the draws of requests that give none")
     max_n: int = _arg(128, "most completions one request may ask for (n, best_of): one request's sequences share "
                            "the engine with everyone else's (OpenAI's limit is 128)")
@@ -449,9 +458,13 @@ class EngineConfig:
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
                               f"not {self.kv_cache_dtype!r}")
-        if self.resolve_speculative() is not None and self.async_scheduling:
+        speculative = self.resolve_speculative()
+        if speculative is not None and self.async_scheduling:
             raise ConfigError("speculative decoding runs without async scheduling for now (a step's accepted tokens "
                               "are read back before the next is scheduled): leave async_scheduling unset or false")
+        if speculative is not None and speculative.method == "draft_model" and self.tensor_parallel_size > 1:
+            raise ConfigError("speculative decoding with a draft model runs with tensor_parallel_size 1 for now; "
+                              "use the 'ngram' method with tensor parallelism")
         if self.quantization not in (None, *QUANTIZATION_METHODS):
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or none), "
                               f"not {self.quantization!r}")
@@ -559,6 +572,7 @@ class Config:
     max_model_len: int
     quantization: QuantizationConfig | None = None
     speculative: SpeculativeConfig | None = None
+    draft: Config | None = None  # speculative decoding's draft model, resolved as the target is (method draft_model)
 
 
 def check_fp8_capability(capability: tuple[int, int], kv_cache_dtype: str = "fp8", what: str | None = None) -> None:

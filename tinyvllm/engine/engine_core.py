@@ -35,6 +35,7 @@ from tinyvllm.model.loader import build_model
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.spec_decode import make_proposer
 from tinyvllm.tokenizer import load_tokenizer
+from tinyvllm.worker.kv_cache import kv_cache_bytes_per_block
 from tinyvllm.worker.model_runner import ModelRunner
 from tinyvllm.worker.sampler import AsyncModelRunnerOutput, step_seed
 from tinyvllm.worker.tp_worker import TensorParallelWorkers, free_tcp_init_method
@@ -60,9 +61,16 @@ class EngineCore:
         self.device = device = resolved.device
         tp, self.workers = self._start_tensor_parallel(resolved)
         try:
+            # (a draft model loads first: its weights and its KV cache, block for block the target's, count in the
+            # target's pool sizing)
+            draft = resolved.draft
+            draft_model = None if draft is None else build_model(draft.model, draft.model_path, device, draft.dtype,
+                                                                 draft.max_model_len, quantization=draft.quantization)
+            draft_bytes = 0 if draft_model is None else kv_cache_bytes_per_block(
+                draft_model, config.block_size, config.resolve_kv_cache_dtype(draft.dtype))
             model = build_model(model_config, resolved.model_path, device, resolved.dtype, resolved.max_model_len,
                                 tp=tp, quantization=resolved.quantization)
-            self.model_runner = ModelRunner(model, resolved, tp)
+            self.model_runner = ModelRunner(model, resolved, tp, draft_bytes)
         except BaseException:
             if self.workers is not None:
                 self.workers.shutdown(timeout_s=0)
@@ -73,7 +81,8 @@ class EngineCore:
         speculative = resolved.speculative
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    resolved.max_model_len, config.scheduling,
-                                   proposer=make_proposer(speculative) if speculative else None,
+                                   proposer=make_proposer(speculative, draft_model, draft,
+                                                          self.model_runner.num_blocks) if speculative else None,
                                    num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.structured_output = StructuredOutputManager(lambda: load_tokenizer(resolved.model_path),

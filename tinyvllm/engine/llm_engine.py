@@ -9,7 +9,9 @@ import logging
 import time
 from typing import Any
 
-from tinyvllm.config import Config, EngineConfig, QuantizationConfig
+import torch
+
+from tinyvllm.config import Config, ConfigError, EngineConfig, ModelConfig, QuantizationConfig
 from tinyvllm.contract import EngineCoreOutputs
 from tinyvllm.engine.core_client import EngineCoreClient
 from tinyvllm.engine.engine_core import EngineCore, StepCallback
@@ -40,8 +42,29 @@ def resolve_config(config: EngineConfig) -> tuple[Config, Any]:
     quantization = config.resolve_quantization(model_config, device)
     if config.keeps_gguf_types(model_path, device):
         quantization = QuantizationConfig("gguf")
-    return Config(config, model_config, model_path, device, dtype, config.max_model_len or limit,
-                  quantization, config.resolve_speculative()), tokenizer
+    max_model_len = config.max_model_len or limit
+    speculative = config.resolve_speculative()
+    draft = None
+    if speculative is not None and speculative.method == "draft_model":
+        draft = _resolve_draft(config, speculative.model, model_config, device, dtype, max_model_len)
+    return Config(config, model_config, model_path, device, dtype, max_model_len, quantization, speculative,
+                  draft), tokenizer
+
+
+def _resolve_draft(config: EngineConfig, path: str, target: ModelConfig, device: torch.device, dtype: torch.dtype,
+                   max_model_len: int) -> Config:
+    """The draft model's Config (speculative decoding, method draft_model): on the target's device, in its dtype,
+    for as much of the target's context as the draft's own covers (longer sequences get no proposals). Its tokens
+    must be the target's: a vocabulary larger than the target's is refused (a smaller one may be the same tokenizer
+    with less padding)."""
+    draft_path = resolve_model_path(path)
+    draft = load_model_config(draft_path)
+    if draft.vocab_size > target.vocab_size:
+        raise ConfigError(f"speculative_config: the draft model's vocabulary ({draft.vocab_size} tokens) is larger "
+                          f"than the target's ({target.vocab_size}): a draft model must share the target's tokenizer")
+    quantization = QuantizationConfig("gguf") if config.keeps_gguf_types(draft_path, device) else None
+    return Config(config, draft, draft_path, device, dtype, min(max_model_len, draft.max_position_embeddings),
+                  quantization)
 
 
 class LLMEngine:

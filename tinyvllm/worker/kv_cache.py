@@ -46,10 +46,11 @@ def allocate_kv_cache(model: CausalLM, num_blocks: int, block_size: int, cache_d
 
 
 def decide_num_blocks(model: CausalLM, config: EngineConfig, device: torch.device, cache_dtype: torch.dtype,
-                      max_blocks_per_seq: int, tp: TensorParallel) -> int:
+                      max_blocks_per_seq: int, tp: TensorParallel, extra_bytes_per_block: int = 0) -> int:
+    """extra_bytes_per_block: of another cache with as many blocks, sized with this one (a draft model's)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    bytes_per_block = kv_cache_bytes_per_block(model, config.block_size, cache_dtype)
+    bytes_per_block = kv_cache_bytes_per_block(model, config.block_size, cache_dtype) + extra_bytes_per_block
     enough = config.max_num_seqs * max_blocks_per_seq  # more is never used
     budget = config.kv_cache_memory_bytes()
     if budget is not None:
@@ -57,7 +58,8 @@ def decide_num_blocks(model: CausalLM, config: EngineConfig, device: torch.devic
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} holds no block of {bytes_per_block} bytes")
     elif device.type == "cuda":
-        num_blocks = min(enough, _profile_num_blocks(model, config, device, cache_dtype, max_blocks_per_seq))
+        num_blocks = min(enough, _profile_num_blocks(model, config, device, cache_dtype, max_blocks_per_seq,
+                                                     extra_bytes_per_block))
     else:
         need = cpu_default_blocks(config.max_num_seqs, max_blocks_per_seq, config.block_size,
                                   config.max_num_batched_tokens)
@@ -92,7 +94,7 @@ def _available_memory() -> int:
 
 @torch.inference_mode()
 def _profile_num_blocks(model: CausalLM, config: EngineConfig, device: torch.device, cache_dtype: torch.dtype,
-                        max_blocks_per_seq: int) -> int:
+                        max_blocks_per_seq: int, extra_bytes_per_block: int = 0) -> int:
     bs = config.block_size
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -126,7 +128,7 @@ def _profile_num_blocks(model: CausalLM, config: EngineConfig, device: torch.dev
     free_now, _ = torch.cuda.mem_get_info(device)
     used_by_others = total - free_now - torch.cuda.memory_reserved(device)
     available = total * config.gpu_memory_utilization - peak - max(used_by_others, 0)
-    bytes_per_block = kv_cache_bytes_per_block(model, bs, cache_dtype)
+    bytes_per_block = kv_cache_bytes_per_block(model, bs, cache_dtype) + extra_bytes_per_block
     num_blocks = int(available // bytes_per_block)
     if num_blocks < 1:
         raise ValueError(

@@ -158,7 +158,10 @@ class _Executed:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, resolved: Config, tp: TensorParallel = TensorParallel()) -> None:
+    def __init__(self, model: CausalLM, resolved: Config, tp: TensorParallel = TensorParallel(),
+                 extra_kv_bytes_per_block: int = 0) -> None:
+        """extra_kv_bytes_per_block: of another KV cache given as many blocks as this one (a draft model's), for the
+        pool's sizing from the memory left."""
         self.model = model
         self.tp = tp
         self.model_config = model_config = resolved.model
@@ -170,7 +173,8 @@ class ModelRunner:
         self.sampler = Sampler(model_config.vocab_size, device)
         # The model's dtype, or float8 e4m3 (kv_cache_dtype="fp8": half the bytes per block, twice the blocks)
         self.kv_cache_dtype = config.resolve_kv_cache_dtype(dtype)
-        self.num_blocks = decide_num_blocks(model, config, device, self.kv_cache_dtype, self.max_blocks_per_seq, tp)
+        self.num_blocks = decide_num_blocks(model, config, device, self.kv_cache_dtype, self.max_blocks_per_seq, tp,
+                                            extra_kv_bytes_per_block)
         allocate_kv_cache(model, self.num_blocks, self.block_size, self.kv_cache_dtype, device)
         self.input_batch = InputBatch(2 * config.max_num_seqs, self.max_blocks_per_seq)
         fail_token = os.environ.get(FAIL_TOKEN_VARIABLE)
