@@ -12,14 +12,10 @@ import random
 import pytest
 import torch
 
-from tests.utils import TINY, hf_greedy, our_logits, relative_error
+from tests.utils import FAMILY_BASE, HF_ARGS, hf_greedy, our_logits, random_model, relative_error
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.config import ConfigError
-from tinyvllm.entrypoints.bench_offline import draw_norm_weights
 
-# transformers' eager attention: the one of its implementations that applies Gemma 2's soft cap in every version
-HF_ARGS = dict(dtype=torch.float32, attn_implementation="eager")
-BASE = {k: v for k, v in TINY.items() if k not in ("hidden_size", "num_attention_heads", "num_key_value_heads")}
 CONFIGS = {
     "qwen2-gqa-tied-hd64": ("Qwen2", dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
                                           tie_word_embeddings=True)),
@@ -45,17 +41,7 @@ GEMMA2 = dict(head_dim=48, query_pre_attn_scalar=40, attn_logit_softcapping=5.0,
 
 
 def _save(path: str, family: str, seed: int, **config: object) -> str:
-    import transformers
-
-    torch.manual_seed(seed)
-    hf_config = getattr(transformers, f"{family}Config")(**{**BASE, **config})
-    model = getattr(transformers, f"{family}ForCausalLM")(hf_config)
-    draw_norm_weights(model)  # (q_norm and k_norm too; Gemma 2's four norms a layer, which scale by 1 + w)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0, 0.1)  # (transformers starts them at 0, which would hide a bias left out)
-    model.save_pretrained(path)
+    random_model(family, seed, **{**FAMILY_BASE, **config}).save_pretrained(path)
     return path
 
 

@@ -14,6 +14,10 @@ from tinyvllm.ops import AttentionMetadata
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=0,
             eos_token_id=1, initializer_range=0.1)
+# What the family tests (Qwen2, Qwen3, Mistral, Gemma 2) share of TINY: each config sets its own heads and width.
+FAMILY_BASE = {k: v for k, v in TINY.items() if k not in ("hidden_size", "num_attention_heads", "num_key_value_heads")}
+# transformers' eager attention: the one of its implementations that applies Gemma 2's soft cap in every version
+HF_ARGS = dict(dtype=torch.float32, attn_implementation="eager")
 
 
 def save_tiny_llama(path: str, seed: int = 0, max_shard_size: str | None = None, tokenizer_dir: str | None = None,
@@ -33,6 +37,22 @@ def save_tiny_llama(path: str, seed: int = 0, max_shard_size: str | None = None,
             with open(os.path.join(tokenizer_dir, name), "rb") as src, open(os.path.join(path, name), "wb") as dst:
                 dst.write(src.read())
     return path
+
+
+def random_model(family: str, seed: int, **config: Any) -> Any:
+    """A random-weight transformers `{family}ForCausalLM` (float32) of `config`, with every RMSNorm weight drawn
+    (draw_norm_weights: q_norm and k_norm too; Gemma 2's four norms a layer, which scale by 1 + w) and every bias
+    from N(0, 0.1) (transformers starts them at 0, which would hide a bias left out)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(**config))
+    draw_norm_weights(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.1)
+    return model
 
 
 # A JSON schema the structured-output tests hold answers to: a nested object, an enum, an array, a pattern, required
