@@ -18,6 +18,9 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
 FAMILY_BASE = {k: v for k, v in TINY.items() if k not in ("hidden_size", "num_attention_heads", "num_key_value_heads")}
 # transformers' eager attention: the one of its implementations that applies Gemma 2's soft cap in every version
 HF_ARGS = dict(dtype=torch.float32, attn_implementation="eager")
+# general.architecture of the classes llama.cpp's converter writes (convert_hf_to_gguf.py: Mistral as llama)
+GGUF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                      "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2"}
 
 
 def save_tiny_llama(path: str, seed: int = 0, max_shard_size: str | None = None, tokenizer_dir: str | None = None,
@@ -53,6 +56,73 @@ def random_model(family: str, seed: int, **config: Any) -> Any:
             if name.endswith("bias"):
                 param.normal_(0, 0.1)
     return model
+
+
+def convert_to_gguf(model_dir: str, path: str, qtype: str = "F32") -> str:
+    """The GGUF that llama.cpp's convert_hf_to_gguf.py writes of a safetensors directory whose class is one of
+    GGUF_ARCHITECTURES', from its config.json and tensors as the converter reads them: TextModel's metadata (key_length
+    where config.json has a head_dim), LlamaModel's vocab_size and rope dimension, Gemma2Model's soft caps and window;
+    the tensors renamed by gguf's own TensorNameMap, Q and K rows permuted for llama (LlamaModel.permute), 1 added to
+    Gemma 2's norms, no lm_head where it is tied (Gemma 2's never); a placeholder vocabulary. 2-D weights in `qtype`
+    (F32, or a type gguf.quants writes, as Q8_0), the others F32."""
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        hp = json.load(f)
+    arch = GGUF_ARCHITECTURES[hp["architectures"][0]]
+    heads, hidden = hp["num_attention_heads"], hp["hidden_size"]
+    kv_heads = hp.get("num_key_value_heads", heads)
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(hp["num_hidden_layers"])
+    writer.add_context_length(hp["max_position_embeddings"])
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(hp["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(hp.get("rope_theta") or hp["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    if hp.get("head_dim") is not None:
+        writer.add_key_length(hp["head_dim"])
+        writer.add_value_length(hp["head_dim"])
+    if arch == "llama":
+        writer.add_vocab_size(hp["vocab_size"])
+        writer.add_rope_dimension_count(hp.get("head_dim") or hidden // heads)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(hp["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(hp["final_logit_softcapping"])
+        writer.add_sliding_window(hp["sliding_window"])
+    writer.add_token_list([f"<t{i}>" for i in range(hp["vocab_size"])])
+
+    def permute(weights: torch.Tensor, n_head: int) -> torch.Tensor:
+        return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(
+            weights.shape)
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], hp["num_hidden_layers"])
+    quant = gguf.GGMLQuantizationType[qtype]
+    for name, tensor in load_file(os.path.join(model_dir, "model.safetensors")).items():
+        if arch == "gemma2" and name == "lm_head.weight":
+            continue
+        data = tensor.float()
+        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            data = permute(data, heads)
+        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            data = permute(data, kv_heads)
+        elif arch == "gemma2" and name.endswith("norm.weight"):
+            data = data + 1
+        array = data.numpy()
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if array.ndim == 2 and quant != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, quant), raw_dtype=quant)
+        else:
+            writer.add_tensor(gguf_name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 # A JSON schema the structured-output tests hold answers to: a nested object, an enum, an array, a pattern, required

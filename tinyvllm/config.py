@@ -18,16 +18,20 @@ class ConfigError(ValueError):
     """A model or engine setting that we cannot run, with a message that says why."""
 
 
-# Architecture names (config.json's `architectures`, GGUF's `general.architecture`) of the Llama family, which
-# share one implementation -> its canonical name. The table lives here, not in model/registry (canonical name ->
-# class), so that reading a config never imports a model: the models import this module.
+# Architecture names (config.json's `architectures`, GGUF's `general.architecture`) -> the canonical name of the
+# family that implements them. llama.cpp writes Mistral as `llama` (its converter's LlamaModel), which loads as Llama.
+# The table lives here, not in model/registry (canonical name -> class), so that reading a config never imports a
+# model: the models import this module.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "LlamaForCausalLM",
     "llama": "LlamaForCausalLM",
     "MistralForCausalLM": "MistralForCausalLM",
     "Qwen2ForCausalLM": "Qwen2ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "Qwen3ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     "Gemma2ForCausalLM": "Gemma2ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
 }
 
 # The ModelConfig fields whose default, where config.json leaves them out, is not Llama's: transformers' config class
@@ -137,7 +141,8 @@ class ModelConfig:
     quantization: QuantizationConfig | None = None  # the checkpoint's (config.json's quantization_config)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    # The whole config.json (or the GGUF's metadata as such): a family reads its own fields from it.
+    # The whole config.json (of a GGUF, the fields its metadata gives: gguf_loader._HF_CONFIG_KEYS): a family reads
+    # its own fields from it.
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -1,8 +1,11 @@
 """GGUF files (llama.cpp's format): config from the metadata, tensors read from the memory-mapped file.
 
-llama.cpp's converter permutes the rows of Q and K so that its rotary kernel can rotate adjacent
-pairs; we undo that permutation (of a 4-bit tensor's rows as of a float one's) and keep Hugging Face's
-rotate-half layout.
+Architectures (general.architecture): llama (Mistral too: llama.cpp writes it as llama), qwen2, qwen3 and gemma2, each
+loaded into the family that config.check_architecture names. Where llama.cpp's converter (convert_hf_to_gguf.py)
+changed a tensor, we change it back, so that the families load what a Hugging Face checkpoint holds: for llama it
+permutes the rows of Q and K so that its rotary kernel can rotate adjacent pairs (we undo that permutation, of a
+4-bit tensor's rows as of a float one's, and keep Hugging Face's rotate-half layout; the other architectures rotate
+halves in llama.cpp too and are written as they are); for gemma2 it adds 1 to the RMSNorm weights (NORM_OFFSETS).
 
 On the CPU with one rank (iter_gguf_tensors with int4=...), tensors are read straight from the file: the 4-bit
 types (INT4_TYPES) as their 4-bit values with a scale and a zero per group of 32 (int4_groups), which
@@ -36,19 +39,45 @@ SUPPORTED_QUANT_TYPES = {
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
 }
 
-# GGUF tensor name (after "blk.N.") -> our parameter name (after "model.layers.N.")
+# GGUF tensor name (after "blk.N.") -> our parameter name (after "model.layers.N."), llama.cpp's names (gguf's
+# TensorNameMap) of every family's tensors: each appears in the files of the architectures that have it (q_norm and
+# k_norm: qwen3; the post-norms: gemma2). A weight's bias (qwen2's attn_q.bias, ...) maps as its weight.
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
+# An architecture's names where they differ from _LAYER_NAMES: llama.cpp calls the norm before the MLP ffn_norm in
+# every family, which is Llama's post_attention_layernorm but Gemma 2's pre_feedforward_layernorm (its
+# post_attention_layernorm is the norm on attention's output, post_attention_norm).
+_ARCH_LAYER_NAMES = {"gemma2": {"ffn_norm": "pre_feedforward_layernorm"}}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# The architectures whose Q and K rows llama.cpp's converter permutes (its LlamaModel.permute).
+PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
+# What llama.cpp's converter adds to an architecture's RMSNorm weights (every tensor named *norm.weight): Gemma's norm
+# scales by 1 + w and llama.cpp's by its weight, so Gemma2Model.modify_tensors writes 1 + w. We subtract it again:
+# the family's norm (GemmaRMSNorm) adds the 1 as it loads, as it does to a Hugging Face checkpoint's w.
+NORM_OFFSETS = {"gemma2": 1.0}
+# GGUF metadata (after "<arch>.") -> the config.json field that a family reads from ModelConfig.hf_config. Absent
+# keys leave the family's default, which is llama.cpp's too (Gemma 2's soft caps 50 and 30).
+_HF_CONFIG_KEYS = {
+    "attention.sliding_window": "sliding_window",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
+}
+# Gemma 2's layer count at 27B, the one size whose query_pre_attn_scalar llama.cpp takes as hidden / heads rather
+# than head_dim (llama-model.cpp, LLM_ARCH_GEMMA2; the GGUF does not store the scalar).
+_GEMMA2_27B_LAYERS = 46
 
 # Types whose values are 4-bit with a scale and a zero (an offset) per group of 32 weights: each maps exactly onto
 # torch's int4 groups, w = (q - 8) * scale + zero. Q4_0: w = d (q - 8); Q4_1: w = d q + m; Q4_K: super-blocks of 256
@@ -94,6 +123,12 @@ def _reader(path: str) -> Any:
             return gguf.GGUFReader(path)
         except Exception as e:  # gguf raises ValueError, struct.error, ... on a damaged file
             raise ModelLoadError(f"cannot read {path}: not a valid GGUF file ({e})") from e
+
+
+def gguf_architecture(path: str) -> str:
+    """The file's general.architecture (llama, qwen2, ...)."""
+    field = _reader(path).fields.get("general.architecture")
+    return "?" if field is None else str(field.contents())
 
 
 def gguf_metadata(path: str) -> dict[str, Any]:
@@ -207,15 +242,20 @@ def _read_gguf_config(path: str) -> ModelConfig:
         factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         scaling = {"rope_type": "freq_factors", "freq_factors": np.asarray(factors.data, np.float32).tolist()}
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    num_layers = int(get("block_count"))
+    head_dim = int(get("attention.key_length", get("rope.dimension_count", hidden // num_heads)))
+    hf_config = {field: get(key) for key, field in _HF_CONFIG_KEYS.items() if f"{arch}.{key}" in meta}
+    if arch == "gemma2":
+        hf_config["query_pre_attn_scalar"] = hidden // num_heads if num_layers == _GEMMA2_27B_LAYERS else head_dim
     return ModelConfig(
         architecture=architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(get("attention.head_count_kv", num_heads)),
-        head_dim=int(get("attention.key_length", get("rope.dimension_count", hidden // num_heads))),
+        head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
@@ -223,6 +263,7 @@ def _read_gguf_config(path: str) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=sorted({int(e) for e in eos}),
+        hf_config=hf_config,
     )
 
 
@@ -234,7 +275,8 @@ def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def gguf_tensor_types(path: str) -> dict[str, str]:
     """{our parameter name: the GGUF type of its tensor (Q4_1, Q8_0, F32, ...)} for every weight in the file."""
-    return {_parameter_name(path, t.name): t.tensor_type.name for t in _reader(path).tensors
+    arch = gguf_architecture(path)
+    return {_parameter_name(path, arch, t.name): t.tensor_type.name for t in _reader(path).tensors
             if t.name != "rope_freqs.weight"}
 
 
@@ -283,13 +325,14 @@ def iter_gguf_tensors(path: str, config: ModelConfig, lazy: bool = False,
     yield from tensors.items()
 
 
-def _parameter_name(path: str, gguf_name: str) -> str:
-    """Our (Hugging Face) parameter name of a GGUF tensor."""
+def _parameter_name(path: str, arch: str, gguf_name: str) -> str:
+    """Our (Hugging Face) parameter name of a GGUF tensor of architecture `arch`."""
     prefix, _, suffix = gguf_name.rpartition(".")  # suffix: weight or bias
     if prefix.startswith("blk."):
         _, layer, short = prefix.split(".", 2)
-        if short in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[short]}.{suffix}"
+        names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+        if short in names:
+            return f"model.layers.{layer}.{names[short]}.{suffix}"
     elif prefix in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[prefix]}.{suffix}"
     raise ModelLoadError(f"{path}: unexpected tensor {gguf_name}")
@@ -298,6 +341,8 @@ def _parameter_name(path: str, gguf_name: str) -> str:
 def _read_tensors(path: str, config: ModelConfig, int4: frozenset[str]) -> Iterator[tuple[str, Any]]:
     import gguf
 
+    arch = gguf_architecture(path)
+    permuted, norm_offset = arch in PERMUTED_QK_ARCHITECTURES, NORM_OFFSETS.get(arch, 0.0)
     for tensor in _reader(path).tensors:
         if tensor.name == "rope_freqs.weight":
             continue
@@ -307,10 +352,10 @@ def _read_tensors(path: str, config: ModelConfig, int4: frozenset[str]) -> Itera
                 f"{path}: tensor {tensor.name} is quantized as {qtype}, which tinyvllm cannot read "
                 f"(supported: {', '.join(sorted(SUPPORTED_QUANT_TYPES))})"
             )
-        name = _parameter_name(path, tensor.name)
+        name = _parameter_name(path, arch, tensor.name)
         # ggml lists shapes fastest-dimension first; numpy's (and torch's) order is the reverse.
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        heads = (config.num_heads if tensor.name.endswith("attn_q.weight") else
+        heads = (None if not permuted else config.num_heads if tensor.name.endswith("attn_q.weight") else
                  config.num_kv_heads if tensor.name.endswith("attn_k.weight") else None)
         if name in int4:
             if qtype not in KEPT_TYPES:
@@ -322,6 +367,8 @@ def _read_tensors(path: str, config: ModelConfig, int4: frozenset[str]) -> Itera
             yield f"{name}_scale", scale_zero
             continue
         array = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+        if norm_offset and tensor.name.endswith("norm.weight"):
+            array -= norm_offset
         yield name, array if heads is None else _unpermute(array, heads)
 
 
