@@ -187,12 +187,15 @@ class ModelRunner:
         # (The reference ops synchronize with the host, so they are not capturable; and graphs holding NCCL
         # collectives are not captured yet: tensor parallelism runs eager.)
         if device.type == "cuda" and not config.enforce_eager and ops.triton_available() and tp.size == 1:
+            reserved = torch.cuda.memory_reserved(device)
             self.cuda_graphs = CudaGraphs(model, config.max_num_seqs, self.max_blocks_per_seq, self.block_size,
                                           model_config.hidden_size, dtype, device, config.cascade_attention,
                                           tail=self.draw)
             self.piecewise_graphs = PiecewiseCudaGraphs(model, config.max_num_batched_tokens, device,
                                                         self.cuda_graphs.pool, self.max_blocks_per_seq,
                                                         self.block_size)
+            # (not counted in the KV cache's sizing: gpu_memory_utilization's rest must hold it)
+            logger.info("CUDA graphs captured: %.2f GiB", (torch.cuda.memory_reserved(device) - reserved) / 2**30)
         self.fixed_shapes = device.type == "cuda"  # (on the CPU shapes cost nothing: the batch runs as it is)
         # (a step samples at most a row per sequence and proposal)
         num_drafts = resolved.speculative.num_speculative_tokens if resolved.speculative else 0
