@@ -56,9 +56,11 @@ def test_speculative_config_defaults_and_refusals():
     with pytest.raises(ConfigError, match="draft model runs with tensor_parallel_size 1"):
         EngineConfig.from_kwargs(speculative_config={"model": "/some/where", "num_speculative_tokens": 3},
                                  tensor_parallel_size=2)
-    with pytest.raises(ConfigError, match="without async scheduling"):
-        EngineConfig.from_kwargs(speculative_config=NGRAM, async_scheduling=True)
-    assert not EngineConfig.from_kwargs(speculative_config=NGRAM).resolve_async_scheduling(torch.device("cuda"))
+    draft = {"model": "/some/where", "num_speculative_tokens": 3}
+    with pytest.raises(ConfigError, match="draft model runs without async scheduling"):
+        EngineConfig.from_kwargs(speculative_config=draft, async_scheduling=True)
+    assert not EngineConfig.from_kwargs(speculative_config=draft).resolve_async_scheduling(torch.device("cuda"))
+    assert EngineConfig.from_kwargs(speculative_config=NGRAM).resolve_async_scheduling(torch.device("cuda"))
 
 
 def test_the_cli_takes_speculative_config_as_json():
@@ -246,6 +248,24 @@ def test_greedy_equal_under_preemption(checkpoint):
     spec, stats = _generate(checkpoint, prompts, params, **kwargs)
     assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
     assert _tokens(spec) == _tokens(plain)
+
+
+def test_greedy_equal_with_async_scheduling(checkpoint):
+    """n-gram speculation keeps async scheduling: a step is launched ahead while no lookup finds proposals, and the
+    engine reads the step in flight back first where one does (Scheduler.speculation_ready), so both kinds of step
+    occur, among preemptions, with the output unchanged."""
+    prompts = _repeating_prompts(8, seed=12)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 3, 25, 31, 12, 44, 7, 36)]
+    plain, _ = _generate(checkpoint, prompts, params)
+    llm = tiny_llm(checkpoint, speculative_config=NGRAM, async_scheduling=True, num_kv_blocks=16, block_size=8)
+    steps = []
+    llm.llm_engine.add_step_callback(steps.append)
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.llm_engine.get_stats()
+    llm.llm_engine.engine_core.block_manager.check_whole()
+    assert _tokens(spec) == _tokens(plain)
+    assert stats["spec_decode_num_accepted_tokens"] > 0 and stats["num_preemptions"] > 0
+    assert any(s.num_inputs_in_flight for s in steps)  # (steps launched ahead of the one before)
 
 
 def test_a_stop_token_inside_an_accepted_run(checkpoint):

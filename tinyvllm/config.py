@@ -464,9 +464,9 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
                               f"not {self.kv_cache_dtype!r}")
         speculative = self.resolve_speculative()
-        if speculative is not None and self.async_scheduling:
-            raise ConfigError("speculative decoding runs without async scheduling for now (a step's accepted tokens "
-                              "are read back before the next is scheduled): leave async_scheduling unset or false")
+        if speculative is not None and speculative.method == "draft_model" and self.async_scheduling:
+            raise ConfigError("speculative decoding with a draft model runs without async scheduling (its proposals "
+                              "need the tokens of the step before): leave async_scheduling unset or false")
         if speculative is not None and speculative.method == "draft_model" and self.tensor_parallel_size > 1:
             raise ConfigError("speculative decoding with a draft model runs with tensor_parallel_size 1 for now; "
                               "use the 'ngram' method with tensor parallelism")
@@ -538,9 +538,11 @@ class EngineConfig:
                 and self.tensor_parallel_size == 1 and self.quantization is None)
 
     def resolve_async_scheduling(self, device: torch.device) -> bool:
-        """On for CUDA unless asked otherwise; off with speculative decoding, whose next step's proposals need the
-        tokens the step before accepted."""
-        if self.speculative_config is not None:
+        """On for CUDA unless asked otherwise; off with a draft model, which proposes at every step from the tokens the
+        step before accepted (n-gram speculation keeps it, reading a step back first where lookups find proposals:
+        Scheduler.speculation_ready)."""
+        speculative = self.resolve_speculative()
+        if speculative is not None and speculative.method == "draft_model":
             return False
         return device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
 

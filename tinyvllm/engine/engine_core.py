@@ -218,7 +218,10 @@ class EngineCore:
                 elif self.scheduler.has_unfinished():
                     raise RuntimeError("the scheduler has waiting requests but could schedule none")
                 return self._with_errors(EngineCoreOutputs())
-        if self.async_scheduling and not in_flight.output.has_penalties:  # penalties need the tokens on the host
+        # (penalties need the tokens on the host; a verification's accepted count decides the next step's positions;
+        # proposals for the next step need the tokens in flight)
+        if self.async_scheduling and not in_flight.output.has_penalties \
+                and not in_flight.step.scheduled_spec_decode_tokens and not self.scheduler.speculation_ready():
             self._in_flight = self._launch(sample=False)
         start = time.perf_counter()
         result = in_flight.output.get()

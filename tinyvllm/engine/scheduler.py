@@ -173,15 +173,16 @@ class Scheduler:
             self._describe(out, scheduled)
         return out
 
-    def _propose(self) -> dict[int, list[int]]:
+    def _propose(self, in_flight: bool = False) -> dict[int, list[int]]:
         """The proposer's tokens for the running sequences about to decode (their newest token is all they have left
         to compute), at most as many as max_tokens and max_model_len leave room for after the token each step draws
-        anyway."""
+        anyway. in_flight: also for those whose newest token is in flight, from the tokens known (speculation_ready);
+        a step never verifies proposals after a token it has not read."""
         seqs, limits = [], []
         k, max_model_len = self.num_speculative_tokens, self.max_model_len
         for seq in self.running:
             params = seq.params
-            if (seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_output_placeholders
+            if (seq.num_tokens - seq.num_computed_tokens != 1 or (seq.num_output_placeholders and not in_flight)
                     or seq.grammar is not None or params.has_penalties or seq.num_output_tokens < params.min_tokens):
                 continue
             limit = min(k, params.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens - 1)
@@ -192,6 +193,14 @@ class Scheduler:
             return {}
         drafts = self.proposer.propose([s.seq_id for s in seqs], [s.token_ids for s in seqs], limits)
         return {seq.seq_id: tokens for seq, tokens in zip(seqs, drafts) if tokens}
+
+    def speculation_ready(self) -> bool:
+        """With async scheduling, whether the proposer finds tokens for a running sequence from the tokens known now
+        (the newest in flight): then the engine reads the step in flight back before it schedules the next, which can
+        verify proposals, rather than launching the next ahead without any. Open chat, where prompt lookup seldom
+        finds anything, keeps the overlap; text that copies its context gets its proposals (the n-gram proposer's
+        lookups cost microseconds, on the host while the step runs)."""
+        return self.proposer is not None and bool(self._propose(in_flight=True))
 
     def _take_proposals(self, seq: Sequence, drafts: list[int], num_left: int, out: SchedulerOutput) -> int:
         """Schedule seq's proposals after its newest token if their slots are there or free blocks are (keeping a
