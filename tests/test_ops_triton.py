@@ -632,10 +632,13 @@ def test_paged_prefill_with_window_and_softcap(shape: tuple, features: str, batc
 
 def _poison_outside_windows(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                             sliding_window: int) -> None:
-    """NaN in every key and value that a decode token's window leaves out (a kernel that reads one fails)."""
+    """NaN in every key and value that all of a sequence's new tokens' windows leave out (a kernel that reads one
+    fails): for a decode token, those before the window of its one token."""
     block_size = k_cache.shape[1]
+    cu = meta.cu_query_lens.tolist()
     for i, context_len in enumerate(meta.context_lens.tolist()):
-        for j in range(max(context_len - sliding_window, 0)):
+        first_position = context_len - max(cu[i + 1] - cu[i], 1)
+        for j in range(max(first_position - sliding_window + 1, 0)):
             block = int(meta.block_tables[i, j // block_size])
             k_cache[block, j % block_size] = float("nan")
             v_cache[block, j % block_size] = float("nan")
@@ -661,6 +664,40 @@ def test_paged_decode_with_window_and_softcap(shape: tuple, features: str, num_s
     else:
         out = paged_decode_triton(q, k_cache, v_cache, meta, 0.125, num_splits=num_splits, config=config, **options)
     _close(out, expected)
+
+
+# The engine gives back the blocks that fell out of a window (BlockManager.remove_skipped_blocks), so another
+# sequence's K/V, even NaN, may sit before a step's windows: chunks whose window starts inside a tile of keys, before
+# the tile of their first query, and (window 7 under 32- or 64-key tiles) inside the causal band's first tile.
+_WINDOW_BATCHES = {"chunked": _PREFILL_BATCHES["chunked"], "one-chunk": ([10], [70]), "mixed": _DECODES_FIRST,
+                   "decode": _REF_BATCHES["decode"]}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("features", ["window1", "window7", "window20", "window7-softcap"])
+@pytest.mark.parametrize("batch", list(_WINDOW_BATCHES))
+def test_paged_attention_ref_reads_nothing_before_the_windows(batch: str, features: str, dtype: torch.dtype) -> None:
+    """The reference's paths (one sequence's chunk, a padded batch of chunks, decodes, a mixed step) with every key
+    before a sequence's windows NaN: what it gave with them whole."""
+    q, k_cache, v_cache, meta = _paged_batch(*_WINDOW_BATCHES[batch], 6, 2, 32, 16, dtype)
+    q = (3 * q.float()).to(dtype)
+    expected = paged_attention_ref(q, k_cache, v_cache, meta, 0.2, **_FEATURES[features])
+    _poison_outside_windows(k_cache, v_cache, meta, _FEATURES[features]["sliding_window"])
+    _close(paged_attention_ref(q, k_cache, v_cache, meta, 0.2, **_FEATURES[features]), expected)
+
+
+@pytest.mark.parametrize("shape", _FEATURE_SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv-d{s[2]}-bs{s[3]}-{s[4]}")
+@pytest.mark.parametrize("features", ["window7", "window20", "window7-softcap"])
+@pytest.mark.parametrize("batch", ["chunked", "one-chunk"])
+@pytest.mark.parametrize("config", [None, (16, 16, 4, 1)], ids=["default-tiles", "small-tiles"])
+def test_paged_prefill_reads_nothing_before_the_windows(shape: tuple, features: str, batch: str,
+                                                        config: tuple[int, int, int, int] | None) -> None:
+    """The prefill kernel with every key before a sequence's windows NaN, against the reference on the whole keys."""
+    q, k_cache, v_cache, meta = _paged_batch(*_WINDOW_BATCHES[batch], *shape)
+    q = (3 * q.float()).to(shape[4])
+    expected = paged_attention_ref(q, k_cache, v_cache, meta, 0.125, **_FEATURES[features])
+    _poison_outside_windows(k_cache, v_cache, meta, _FEATURES[features]["sliding_window"])
+    _close(paged_prefill_triton(q, k_cache, v_cache, meta, 0.125, config=config, **_FEATURES[features]), expected)
 
 
 @pytest.mark.parametrize("sliding_window", [1, 40, 64, 65, 1000])

@@ -112,6 +112,8 @@ def paged_attention_ref(
             longest = max(query_lens[i] for i in seqs)
             rows = [max(cu[i + 1] - longest + j, cu[i]) for i in seqs for j in range(longest)]
             index = torch.tensor(seqs, device=q.device)
+            real_rows = (torch.tensor([query_lens[i] for i in seqs], device=q.device)
+                         if sliding_window is not None and len(seqs) > 1 else None)
             if rows == list(range(rows[0], rows[0] + len(rows))):  # unpadded, in order: views, no gather
                 query, target = q[rows[0]:rows[0] + len(rows)], out[rows[0]:rows[0] + len(rows)]
             else:
@@ -120,7 +122,7 @@ def paged_attention_ref(
             result = _attend_last_rows(query.view(len(seqs), longest, *q.shape[1:]), k_cache, v_cache,
                                        meta.block_tables[index], meta.context_lens[index],
                                        max(context_lens[i] for i in seqs), scale, sliding_window,
-                                       logit_softcap).flatten(0, 1)
+                                       logit_softcap, real_rows).flatten(0, 1)
             if target is not None:
                 target.copy_(result)
             else:
@@ -133,29 +135,47 @@ def paged_attention_ref(
 def _attend_last_rows(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, max_context_len: int, scale: float, sliding_window: int | None = None,
-    logit_softcap: float | None = None,
+    logit_softcap: float | None = None, real_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [B, Q, Hq, D], the tokens at positions context_len - Q ... context_len - 1 of each sequence -> their
     attention [B, Q, Hq, D] in float32, in one call of scaled_dot_product_attention over the sequences' padded block
     tables. A position with no key (below 0, or in a sequence of context 0 as a CUDA graph's padding rows) gets NaN or
-    zeros: the callers drop or zero it."""
+    zeros: the callers drop or zero it. real_rows [B]: how many of each sequence's last rows are real (the others
+    padding, whose output is dropped); None: all Q.
+
+    With a sliding window no key before a real row's window is used, nor read where it can be helped: the engine
+    gives blocks that fell out of the window back (BlockManager.remove_skipped_blocks), and another sequence's K/V,
+    even NaN, may sit there. One sequence's keys start at its oldest visible one; a batch's blocks start at the
+    oldest visible one of any sequence, and each sequence's keys before its own window are zeroed, as those past its
+    context."""
     num_seqs, num_rows, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    if num_seqs == 1:  # its keys are a slice of its blocks: nothing past its context to zero or mask
-        length = int(context_lens[0])
-        blocks, hidden = block_tables[0, :(length + block_size - 1) // block_size], None
+    oldest, first_key = None, 0  # (each sequence's oldest key a real row sees; the first key gathered)
+    if sliding_window is not None:
+        oldest = context_lens - (num_rows if real_rows is None else real_rows) - sliding_window + 1
+        first_key = max(int(oldest.min()), 0)
+        if num_seqs > 1:
+            first_key -= first_key % block_size
+    first_block, skip = divmod(first_key, block_size)  # (skip: keys of the first block before first_key)
+    if num_seqs == 1:  # its keys are a slice of its blocks: nothing past its context or before its window to zero
+        length = int(context_lens[0]) - first_key
+        blocks, hidden = block_tables[0, first_block:(first_key + length + block_size - 1) // block_size], None
     else:
-        num_blocks = min((max_context_len + block_size - 1) // block_size, block_tables.shape[1])
-        blocks, length = block_tables[:, :num_blocks].reshape(-1), num_blocks * block_size
-        # the gathered rows past each context: they may hold anything, even NaN, which a masked score still
-        # turns into NaN
-        hidden = (torch.arange(length, device=query.device) >= context_lens[:, None]).view(-1).nonzero().squeeze(1)
+        num_blocks = min((max_context_len + block_size - 1) // block_size, block_tables.shape[1]) - first_block
+        blocks, length = block_tables[:, first_block:first_block + num_blocks].reshape(-1), num_blocks * block_size
+        # the gathered rows past each context (and before each window): they may hold anything, even NaN, which a
+        # masked score still turns into NaN
+        keys = torch.arange(first_key, first_key + length, device=query.device)
+        outside = keys >= context_lens[:, None]
+        if oldest is not None:
+            outside |= keys < oldest[:, None]
+        hidden = outside.view(-1).nonzero().squeeze(1)
 
     def gather(cache: torch.Tensor) -> torch.Tensor:  # [B, Hkv, L, D] float32 (a view), zeros past each context
         rows = cache.index_select(0, blocks).float()  # whole blocks in one call
         if hidden is None:
-            return rows.flatten(0, 1)[:length].transpose(0, 1)[None]
+            return rows.flatten(0, 1)[skip:skip + length].transpose(0, 1)[None]
         # zeroed by rows: a mask broadcast over heads and head_dim costs several times more on the CPU
         rows = rows.view(num_seqs * length, num_kv_heads * head_dim).index_fill_(0, hidden, 0.0)
         return rows.view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
@@ -163,7 +183,7 @@ def _attend_last_rows(
     mask = None  # one sequence's one new token sees every key (without a window)
     if num_seqs > 1 or num_rows > 1 or sliding_window is not None:
         positions = context_lens[:, None] - num_rows + torch.arange(num_rows, device=query.device)  # [B, Q]
-        keys = torch.arange(length, device=query.device)
+        keys = torch.arange(first_key, first_key + length, device=query.device)
         visible = keys <= positions[:, :, None]  # [B, Q, L]
         if sliding_window is not None:  # as transformers' sliding_window_overlay: key j visible iff p - j < window
             visible &= keys > positions[:, :, None] - sliding_window
@@ -253,7 +273,9 @@ if triton is not None:
     #   s = (q @ K^T) * scale*log2(e), masked;  m' = max(m, rowmax(s));  p = exp2(s - m')
     #   l' = l * exp2(m - m') + rowsum(p);      acc' = acc * exp2(m - m') + p @ V
     # K/V rows are gathered through the block table: key n lives in block table[n // BLOCK_SIZE], slot
-    # n % BLOCK_SIZE. CAUSAL masks key n > q_pos[row]; BOUNDED masks keys >= kv_end (tiles that are not full);
+    # n % BLOCK_SIZE. CAUSAL masks key n > q_pos[row]; BOUNDED masks keys >= kv_end (tiles that are not full), and
+    # with WINDOW_EDGE keys < kv_start too, unread (the tile a window starts inside: the blocks before the window
+    # may have been given back, BlockManager.remove_skipped_blocks, and hold another sequence's K/V, even NaN);
     # SLIDING_WINDOW (0: none) masks keys n <= q_pos[row] - SLIDING_WINDOW, as transformers' sliding_window_overlay
     # (key n visible iff q_pos - n < window); SOFTCAP (0.0: none) caps the scores (_cap_scores).
     # K and V are converted to q's dtype as they are loaded: a float8 cache (kv_cache_dtype="fp8") is read as
@@ -265,10 +287,13 @@ if triton is not None:
         stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
         BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, SLIDING_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+        kv_start=0, WINDOW_EDGE: tl.constexpr = False,
     ):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, HEAD_DIM)
         in_range = offs_n < kv_end
+        if WINDOW_EDGE:
+            in_range = in_range & (offs_n >= kv_start)
         if BOUNDED:
             blocks = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
         else:
@@ -346,7 +371,9 @@ if triton is not None:
     # context_len - query_len + j. Keys below the tile's first position are visible to every row (unmasked
     # loop); the diagonal band up to its last position is masked causally; keys beyond it are skipped.
     # SLIDING_WINDOW (0: none) and SOFTCAP (0.0: none) as in _attend_tile; with a window the unmasked loop starts
-    # at the tile of the first row's oldest visible key (no row sees a key below it) and masks each row's window.
+    # at the tile of the first row's oldest visible key (no row sees a key below it) and masks each row's window; no
+    # key below that one is loaded (WINDOW_EDGE), in that tile or, where the window is shorter than a tile, the
+    # causal band's.
     @triton.jit(do_not_specialize=["stride_table"])  # varies from step to step: compile once
     def _paged_prefill_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_query_lens_ptr, context_lens_ptr,
@@ -388,8 +415,18 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
         first_key = 0
+        oldest = 0  # no row sees a key before it
         if SLIDING_WINDOW:  # (aligned down to a tile, so that the unmasked loop's tiles stay below full_end)
-            first_key = tl.maximum(first_pos - SLIDING_WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+            oldest = tl.maximum(first_pos - SLIDING_WINDOW + 1, 0)
+            first_key = oldest // BLOCK_N * BLOCK_N
+            if (first_key < oldest) & (first_key < full_end):  # the tile the window starts inside: from oldest on
+                acc, m_i, l_i = _attend_tile(
+                    acc, m_i, l_i, q, q_pos, first_key, full_end, table_ptr, k_base, v_base,
+                    stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                    BLOCK_N, BLOCK_SIZE, HEAD_DIM, CAUSAL=False, BOUNDED=True, SLIDING_WINDOW=SLIDING_WINDOW,
+                    SOFTCAP=SOFTCAP, kv_start=oldest, WINDOW_EDGE=True,
+                )
+                first_key += BLOCK_N
         for start_n in range(first_key, full_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, q_pos, start_n, full_end, table_ptr, k_base, v_base,
@@ -402,7 +439,7 @@ if triton is not None:
                 acc, m_i, l_i, q, q_pos, start_n, last_pos + 1, table_ptr, k_base, v_base,
                 stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
                 BLOCK_N, BLOCK_SIZE, HEAD_DIM, CAUSAL=True, BOUNDED=True, SLIDING_WINDOW=SLIDING_WINDOW,
-                SOFTCAP=SOFTCAP,
+                SOFTCAP=SOFTCAP, kv_start=oldest, WINDOW_EDGE=SLIDING_WINDOW > 0,  # (a window shorter than a tile)
             )
         out = acc / l_i[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
