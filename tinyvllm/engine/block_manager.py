@@ -7,7 +7,12 @@ waits in the free queue, least recently used first, until a new block is needed.
 
 A sequence that starts computing prompt blocks nobody has cached claims them until they are cached (which the
 scheduler does once the step computing them is launched): a request that arrives with the same prefix meanwhile
-can wait for them (Scheduler) instead of computing them again."""
+can wait for them (Scheduler) instead of computing them again.
+
+Where every layer of the model attends within a sliding window (CausalLM.sliding_window: Mistral), a sequence's
+leading blocks that no query of its can see any more are given back as it advances (remove_skipped_blocks), so that
+it holds about window / block_size blocks however long it grows. Its block table keeps their entries, unowned: the
+attention ops never read a key before a query's window."""
 
 from __future__ import annotations
 
@@ -28,10 +33,12 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window  # the model's, bounding every layer; None: some layer sees it all
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached_blocks: dict[int, int] = {}  # hash -> block id
@@ -50,6 +57,39 @@ class BlockManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
+
+    def blocks_out_of_window(self, num_computed_tokens: int) -> int:
+        """How many leading blocks of a sequence with num_computed_tokens in the cache no query of its will see: its
+        queries from now on sit at positions p >= num_computed_tokens, and one sees key j iff p - j < window, so
+        keys from num_computed_tokens - window + 1 on. Block b's last key is (b + 1) * block_size - 1; a token
+        short of the exact bound, for safety: blocks with (b + 1) * block_size <= num_computed_tokens - window."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, (num_computed_tokens - self.sliding_window) // self.block_size)
+
+    def remove_skipped_blocks(self, seq: Sequence) -> None:
+        """Give back seq's leading blocks that fell out of the window (vLLM's name): as free's, their references
+        are dropped (a cached block stays in the prefix cache for others until evicted). The scheduler asks before
+        it schedules seq, when no query to come sits before num_computed_tokens (speculation's rejected slots are
+        rolled back by then; tokens in flight are real); a block given back now is written by someone else only in
+        a later step, which the device runs after the steps in flight that may still read it. With prefix caching
+        only registered blocks go: cache_computed_blocks reads the table's entries from num_registered_blocks on
+        (the others go once they are registered)."""
+        end = self.blocks_out_of_window(seq.num_computed_tokens)
+        if self.enable_prefix_caching:
+            end = min(end, seq.num_registered_blocks)
+        if end <= seq.num_skipped_blocks:
+            return
+        for block_id in seq.block_table[seq.num_skipped_blocks:end]:
+            self._drop(block_id)
+        seq.num_skipped_blocks = end
+
+    def _drop(self, block_id: int) -> None:
+        """Drop a reference; an unreferenced block joins the free queue (keeping its contents and hash)."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_queue[block_id] = None
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached run of seq's full blocks. At least the last token is
@@ -119,10 +159,13 @@ class BlockManager:
         num_cached_tokens = len(cached) * self.block_size
         total = max(seq.num_computed_tokens, num_cached_tokens) + num_new_tokens
         num_new_blocks = self.blocks_needed(total) - len(seq.block_table) - len(cached)
-        reviving = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        # (a cached prefix longer than the window: its blocks before the window enter the table unowned, as
+        # remove_skipped_blocks would leave them, so that taking a long prefix never revives them)
+        skipped = self.blocks_out_of_window(num_cached_tokens)
+        reviving = sum(1 for b in cached[skipped:] if self.blocks[b].ref_count == 0)
         if num_new_blocks + reviving > self.num_free_blocks:
             return False
-        for block_id in cached:
+        for block_id in cached[skipped:]:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free_queue[block_id]
@@ -130,6 +173,7 @@ class BlockManager:
         if cached:  # (seq's first blocks, in the cache already: cache_computed_blocks need not look at them)
             seq.block_table.extend(cached)
             seq.num_registered_blocks = len(cached)
+            seq.num_skipped_blocks = skipped
         for _ in range(max(num_new_blocks, 0)):
             block_id, _ = self.free_queue.popitem(last=False)
             block = self.blocks[block_id]
@@ -144,16 +188,14 @@ class BlockManager:
         self.prefix_cache_hits += num_hit_tokens
 
     def free(self, seq: Sequence) -> None:
-        """Drop seq's references. Its last blocks enter the free queue first, so they are evicted
-        before the (more widely shared) blocks of the start of the prompt."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue[block_id] = None
+        """Drop seq's references (those it still holds: not its blocks given back to the window). Its last blocks
+        enter the free queue first, so they are evicted before the (more widely shared) blocks of the start of the
+        prompt."""
+        for block_id in reversed(seq.block_table[seq.num_skipped_blocks:]):
+            self._drop(block_id)
         self._release(seq, seq.claimed_blocks[1])
         seq.block_table = []
-        seq.num_registered_blocks = 0
+        seq.num_registered_blocks = seq.num_skipped_blocks = 0
 
     def free_beyond(self, seq: Sequence, num_tokens: int) -> bool:
         """Give back seq's blocks past those its first num_tokens tokens need (the slots of rejected proposals);

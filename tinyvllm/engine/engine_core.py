@@ -77,7 +77,7 @@ class EngineCore:
                 destroy_tensor_parallel()
             raise
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, model.sliding_window)
         speculative = resolved.speculative
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    resolved.max_model_len, config.scheduling,

@@ -9,9 +9,12 @@ than computing it again (requests that arrive together with one long shared prom
 SGLang's scheduler does). A prompt block enters the cache as soon as the step computing it is launched
 (cache_launched), so the waiting request is seated in the next step. When the KV pool runs dry,
 the youngest running sequence is preempted: its blocks are freed and it goes back to the front of
-the queue, to be recomputed later, so no request is ever dropped. A request that asks for prompt logprobs computes
-its whole prompt (the prefix cache holds K/V, not the logits it needs; vLLM does the same) and is owed each prompt
-position once, however often a preemption makes it compute them.
+the queue, to be recomputed later, so no request is ever dropped. Where every layer of the model attends within a
+sliding window, a running sequence gives back the blocks that fell out of it before it takes new ones
+(BlockManager.remove_skipped_blocks); as a prompt takes blocks a chunk at a time, even a long one holds no more than
+its window and a chunk. A request that asks for prompt logprobs computes its whole prompt (the prefix cache holds
+K/V, not the logits it needs; vLLM does the same) and is owed each prompt position once, however often a preemption
+makes it compute them.
 
 A step's output is plain data (contract.SchedulerOutput): the model runner never sees a Sequence. A
 sequence whose last token is in the step gets a placeholder (Sequence.num_output_placeholders) until the
@@ -116,6 +119,7 @@ class Scheduler:
         i = 0
         running = self.running  # (a preemption pops from this same list)
         block_size = self.block_size
+        windowed = self.block_manager.sliding_window is not None
         proposals = self._propose() if self.proposer is not None else None
         while i < len(running) and budget > 0:
             seq = running[i]
@@ -123,6 +127,8 @@ class Scheduler:
             if num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens:
                 i += 1  # its last token is in flight: it finishes when that is read back
                 continue
+            if windowed:  # (before it takes blocks: those that fell out of the window serve first)
+                self.block_manager.remove_skipped_blocks(seq)
             # The common case, a decode whose token fits in its last block, needs nothing of the block manager.
             num_new = min(num_tokens - num_computed, budget)
             if proposals and seq.seq_id in proposals:

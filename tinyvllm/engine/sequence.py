@@ -43,6 +43,9 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks, filled as they complete
         self.num_registered_blocks = 0  # leading blocks of block_table already offered to the prefix cache
+        # Leading entries of block_table it no longer owns: blocks that fell out of the model's sliding window
+        # (BlockManager.remove_skipped_blocks). The table keeps them, as positions index into it.
+        self.num_skipped_blocks = 0
         # The full blocks [first, last) past its cached prefix that it computes, claimed (BlockManager.claim) until
         # they are cached or it lets go of its blocks; and, while it waits for another's claim, how many leading
         # blocks it found in the cache at its last look (BlockManager.is_being_computed starts there).

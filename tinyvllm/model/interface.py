@@ -49,6 +49,15 @@ class CausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [module for module in self.modules() if isinstance(module, Attention)]
 
+    @property
+    def sliding_window(self) -> int | None:
+        """The window that bounds every layer's attention (the widest, where layers differ), read from the layers
+        themselves so that each family's rule stays in its file; None where some layer attends to its whole context
+        (Gemma 2's alternate layers, Qwen2 below max_window_layers). The engine gives back the KV blocks that fell
+        out of it (BlockManager.remove_skipped_blocks)."""
+        windows = [layer.sliding_window for layer in self.attention_layers()]
+        return None if not windows or None in windows else max(windows)
+
     # ---- loading ------------------------------------------------------------------------------------------
     def ignores_checkpoint_tensor(self, name: str) -> bool:
         """A checkpoint tensor to skip: a buffer with no parameter, or the head of a tied model (some checkpoints
