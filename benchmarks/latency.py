@@ -184,6 +184,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="auto (the model's dtype) or fp8 (float8 e4m3, sm_89+: half the KV bytes of bf16)")
     parser.add_argument("--quantization", default=None, choices=("fp8",), help="the weights' format (default: bf16)")
+    parser.add_argument("--quantize-lm-head", action="store_true", help="with --quantization fp8: the LM head too")
     parser.add_argument("--no-step-gpu-time", action="store_true",
                         help="time the breakdown's steps on the host only (on a GPU each step is also timed by CUDA "
                              "events, which adds a little host time to its launch)")
@@ -204,7 +205,8 @@ def main() -> None:
     llm = LLM(path, skip_tokenizer_init=True, enforce_eager=args.enforce_eager, max_model_len=4096,
               gpu_memory_utilization=0.5, async_scheduling=not args.no_async_scheduling,
               tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
-              quantization=args.quantization, **({"device": "cpu"} if args.small else {}))
+              quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
+              **({"device": "cpu"} if args.small else {}))
     floor_ms = None if args.small or args.tensor_parallel_size > 1 else decode_floor_ms(
         llm.llm_engine.engine_core.model_runner.model, copy_bytes_per_s())
     try:
@@ -224,7 +226,8 @@ def main() -> None:
                                      (f"tensor_parallel_size {args.tensor_parallel_size}",
                                       args.tensor_parallel_size > 1),
                                      (f"kv_cache_dtype {args.kv_cache_dtype}", args.kv_cache_dtype != "auto"),
-                                     (f"quantization {args.quantization}", args.quantization)) if on)
+                                     (f"quantization {args.quantization}", args.quantization),
+                                     ("LM head quantized", args.quantize_lm_head)) if on)
     floor = "" if args.small or floor_ms is None else (f", {floor_ms / ours['tpot_ms_median']:.0%} of the "
                                                        f"{floor_ms:.3f} ms floor (the weights at this GPU's copy rate)")
     print(f"  (TTFT: the median of {ours['ttft_samples']} requests, one at a time, for tinyvllm; of 5 for "

@@ -143,3 +143,29 @@ def test_unknown_methods_and_schemes_are_refused_with_what_loads(tiny, tmp_path)
     with pytest.raises(ConfigError, match="block-wise"):
         QuantizationConfig.from_hf_dict({"quant_method": "fp8", "weight_block_size": [128, 128]})
     assert QuantizationConfig("fp8", ignore=("lm_head", "re:.*layers\\.0\\..*")).ignores("model.layers.0.mlp.down_proj")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_quantize_lm_head_keeps_the_head_in_float8_and_the_lookups_as_they_were(tmp_path, tied) -> None:
+    """quantize_lm_head: the head's weight in float8 with a scale per vocabulary row; a tied model's lookups still
+    read the embedding table in the model's dtype. The logits move no more than rounding the head's weight alone
+    (after the other layers') moves transformers' logits, and greedy tokens mostly agree with the head unquantized."""
+    path = save_tiny_llama(str(tmp_path), seed=6, tie_word_embeddings=tied)
+    kwargs = dict(skip_tokenizer_init=True, device="cpu", num_kv_blocks=16, quantization="fp8")
+    body = LLM(path, **kwargs)
+    llm = LLM(path, quantize_lm_head=True, **kwargs)
+    model = llm.llm_engine.engine_core.model_runner.model
+    head, table = model.lm_head, model.get_input_embeddings()
+    assert head.weight.dtype == torch.float8_e4m3fn and head.weight_scale.shape == (head.weight.shape[0],)
+    assert table.weight.dtype == torch.float32
+    ours, theirs, ref = our_logits(llm, PROMPT), our_logits(body, PROMPT), _hf_logits(path, PROMPT)
+    w8, scale = quantize_fp8_weight(table.weight if tied else body.llm_engine.engine_core.model_runner.model.lm_head
+                                    .weight)
+    assert torch.equal(head.weight, w8) and torch.equal(head.weight_scale, scale)
+    assert relative_error(ours, theirs) < 0.05  # (e4m3's 3 mantissa bits on the head alone: ~0.025 here)
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.8
+    assert relative_error(ours, ref) < 1.25 * relative_error(theirs, ref)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert len(llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids) == 16
+    with pytest.raises(ConfigError, match="quantize_lm_head needs float8 weights"):
+        LLM(path, skip_tokenizer_init=True, device="cpu", quantize_lm_head=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import os
@@ -55,13 +56,15 @@ class QuantizationConfig:
     """Which linear layers hold quantized weights, and how. method "fp8": float8 e4m3 weights with a float32 scale per
     output channel, activations quantized per token as each product runs. from_checkpoint: the checkpoint stores the
     float8 weights with their `weight_scale` tensors, one per output channel ("channel") or per tensor ("tensor");
-    else the weights are quantized as they load. ignore: modules kept unquantized, by name or "re:" pattern (the LM
-    head is never quantized)."""
+    else the weights are quantized as they load. ignore: modules kept unquantized, by name or "re:" pattern. lm_head:
+    the LM head too, quantized as it loads (a tied head gets a float8 copy of the embedding table, whose lookups keep
+    the model's dtype); else it stays in the model's dtype."""
 
     method: str = "fp8"  # or "gguf": a GGUF's weights in their own types, on the CPU (model/loader.py)
     from_checkpoint: bool = False
     weight_strategy: str = "channel"
     ignore: tuple[str, ...] = ()
+    lm_head: bool = False
 
     def ignores(self, module_name: str) -> bool:
         return any(re.fullmatch(rule[3:], module_name) if rule.startswith("re:") else
@@ -417,6 +420,9 @@ class EngineConfig:
                                           "a scale per output channel (on a GPU: sm_89 or newer); none: as the "
                                           "checkpoint stores them (float8 checkpoints load as such)",
                                     choices=QUANTIZATION_METHODS, aliases=("-q",))
+    quantize_lm_head: bool = _arg(False, "with quantization fp8 (or a float8 checkpoint): the LM head in float8 "
+                                         "too, a scale per vocabulary row (a tied embedding keeps its table for the "
+                                         "lookups and gets a float8 copy for the head)")
     enable_prefix_caching: bool = _arg(True, "reuse the KV cache of prompt prefixes computed before")
     enforce_eager: bool = _arg(False, "no CUDA graphs")
     cascade_attention: bool = _arg(True, "decode steps whose sequences share a cached prefix read its KV once for "
@@ -523,6 +529,10 @@ class EngineConfig:
             quantization = model.quantization
         else:
             quantization = QuantizationConfig(self.quantization) if self.quantization else None
+        if self.quantize_lm_head:
+            if quantization is None or quantization.method != "fp8":
+                raise ConfigError("quantize_lm_head needs float8 weights: quantization='fp8', or a float8 checkpoint")
+            quantization = dataclasses.replace(quantization, lm_head=True)
         if quantization is not None and device.type == "cuda":
             check_fp8_capability(torch.cuda.get_device_capability(device), what="float8 weights")
         return quantization

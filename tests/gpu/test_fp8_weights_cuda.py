@@ -55,8 +55,9 @@ def test_fp8_weights_logits_against_bf16_weights(reference: dict[str, torch.Tens
     same rounding of its weights (1.25x), plus what our bf16 run moves by itself."""
     errors, agreement = {}, {}
     ref = reference["fp32"]
-    for quantization in (None, "fp8"):
-        llm = LLM(random_llama_1b(), dtype="bfloat16", enforce_eager=True, quantization=quantization, **ENGINE_ARGS)
+    for quantization in (None, "fp8", "fp8+head"):
+        llm = LLM(random_llama_1b(), dtype="bfloat16", enforce_eager=True, quantization=quantization and "fp8",
+                  quantize_lm_head=quantization == "fp8+head", **ENGINE_ARGS)
         if quantization:
             qkv = llm.llm_engine.engine_core.model_runner.model.model.layers[0].self_attn.qkv_proj
             assert qkv.weight.dtype == torch.float8_e4m3fn
@@ -70,15 +71,18 @@ def test_fp8_weights_logits_against_bf16_weights(reference: dict[str, torch.Tens
     rounded_top1 = (reference["fp8"].argmax(-1) == ref.argmax(-1)).float().mean().item()
     print(f"\nlogits vs transformers fp32 over {len(IDS)} positions: ours with bf16 weights rel err {errors[None]:.3e} "
           f"(top-1 {agreement[None]:.1%}), ours with fp8 weights {errors['fp8']:.3e} (top-1 {agreement['fp8']:.1%}); "
-          f"transformers fp32 with its weights rounded to fp8 {rounded:.3e} (top-1 {rounded_top1:.1%})")
+          f"transformers fp32 with its weights rounded to fp8 {rounded:.3e} (top-1 {rounded_top1:.1%}); with the LM "
+          f"head in fp8 too {errors['fp8+head']:.3e} (top-1 {agreement['fp8+head']:.1%})")
     assert errors["fp8"] <= 1.25 * rounded + errors[None]
 
 
-def test_fp8_weights_greedy_through_cuda_graphs_as_eager() -> None:
+@pytest.mark.parametrize("head", [False, True])
+def test_fp8_weights_greedy_through_cuda_graphs_as_eager(head: bool) -> None:
+    """head: the LM head in float8 too (quantize_lm_head: the fused LM-head argmax reads float8 rows)."""
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     runs = {}
     for eager in (False, True):
-        llm = LLM(random_llama_1b(), quantization="fp8", enforce_eager=eager, **ENGINE_ARGS)
+        llm = LLM(random_llama_1b(), quantization="fp8", quantize_lm_head=head, enforce_eager=eager, **ENGINE_ARGS)
         runs[eager] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         llm.llm_engine.shutdown()
         del llm

@@ -19,7 +19,7 @@ from tinyvllm import ops
 from tinyvllm.config import ModelConfig
 from tinyvllm.distributed import TensorParallel, gather_last_dim
 from tinyvllm.model.layers import Attention, ParallelLMHead, RotaryEmbedding, VocabParallelEmbedding
-from tinyvllm.model.quantization import UNQUANTIZED
+from tinyvllm.model.quantization import UNQUANTIZED, Fp8LinearMethod
 from tinyvllm.ops import AttentionMetadata
 
 
@@ -86,7 +86,12 @@ class CausalLM(nn.Module):
         the caller computes the logits."""
         if self.tp.size > 1 or not ops.use_decode_kernel("lm_head", hidden):
             return None
-        return ops.linear_argmax(hidden, self.lm_head_weight)
+        head = self.lm_head if self.lm_head is not None else self.get_input_embeddings()
+        if head.method is UNQUANTIZED:
+            return ops.linear_argmax(hidden, self.lm_head_weight)
+        if isinstance(head.method, Fp8LinearMethod):  # (quantize_lm_head: the kernel reads float8 rows too)
+            return ops.linear_argmax(hidden, head.weight, weight_scale=head.weight_scale)
+        return None  # (a format whose products are its method's alone: the CPU's GGUF types)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [rows, vocab_size] for the rows given (only the positions that get sampled), in the model's dtype:

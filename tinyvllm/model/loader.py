@@ -8,6 +8,7 @@ Pickled checkpoints (*.bin, *.pt) are never loaded: they can run code."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import importlib.util
 import os
 from collections.abc import Iterator
@@ -119,6 +120,8 @@ def build_model(config: ModelConfig, path: str, device: torch.device, dtype: tor
     else:
         tensors = iter_safetensors(path, lazy=tp.size > 1)
     load_weights(model, tensors, skip_suffixes=(".input_scale",) if quantization else ())
+    if quantization is not None and quantization.lm_head:
+        _quantize_lm_head(model, quantization)
     if is_gguf(path):
         release_reader(path)
     if keeps_gguf_types:
@@ -191,6 +194,19 @@ def _quantize_layers(model: nn.Module, quantization: QuantizationConfig | None) 
     for name, module in model.named_modules():
         if isinstance(module, Linear) and not isinstance(module, ParallelLMHead) and not quantization.ignores(name):
             method.create_weights(module)
+
+
+def _quantize_lm_head(model: CausalLM, quantization: QuantizationConfig) -> None:
+    """After loading, with quantization.lm_head: the LM head quantized as it stands (a float8 checkpoint leaves its
+    head in the model's dtype), by process_weights_after_loading. A tied model gets a head of its own, holding the
+    embedding table until then: the lookups keep the table in the model's dtype, the head reads a float8 copy."""
+    if model.lm_head is None:
+        embedding = model.get_input_embeddings()
+        with torch.device("meta"):
+            head = ParallelLMHead(model.config.vocab_size, model.config.hidden_size, model.tp)
+        head.weight = nn.Parameter(embedding.weight.data, requires_grad=False)
+        model.lm_head = head
+    method_of(dataclasses.replace(quantization, from_checkpoint=False)).create_weights(model.lm_head)
 
 
 def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]], skip_suffixes: tuple[str, ...] = ()) -> None:
