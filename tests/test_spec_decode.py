@@ -170,8 +170,8 @@ def test_no_proposals_where_the_pool_is_short():
     assert step.num_new_tokens == [1] and not step.scheduled_spec_decode_tokens and len(seq.block_table) == 1
 
 
-def test_no_proposals_under_a_grammar_with_penalties_or_before_min_tokens():
-    class Grammar:  # (a stand-in for SequenceGrammar that allows anything)
+def test_proposals_under_a_grammar_only_as_it_allows_none_with_penalties_or_before_min_tokens():
+    class Grammar:  # (a stand-in for SequenceGrammar that allows anything, but of proposals only the first)
         terminated = False
 
         def ready(self):
@@ -179,6 +179,9 @@ def test_no_proposals_under_a_grammar_with_penalties_or_before_min_tokens():
 
         def accept(self, token):
             pass
+
+        def valid_drafts(self, drafts):
+            return drafts[:1]
 
     proposer = _Fixed([10, 11])
     scheduler = _scheduler(proposer)
@@ -190,10 +193,12 @@ def test_no_proposals_under_a_grammar_with_penalties_or_before_min_tokens():
     proposed = []
     for _ in range(4):
         step = scheduler.schedule()
-        proposed.append(set(step.scheduled_spec_decode_tokens))
+        proposed.append({i: tuple(d) for i, d in step.scheduled_spec_decode_tokens.items()})
         sampled = [i for i in step.seq_ids if scheduler.seqs[i].num_output_placeholders]
         scheduler.update_from_output(step, ModelRunnerOutput(sampled, [[7] for _ in sampled], [None] * len(sampled)))
-    assert proposed == [set(), {3}, {3}, {2, 3}]  # (the prompts; then min_tokens=3 holds sequence 2 back twice)
+    # (the prompts; then min_tokens=3 holds sequence 2 back twice; the grammar keeps sequence 0's first proposal)
+    full, first = (10, 11), (10,)
+    assert proposed == [{}, {0: first, 3: full}, {0: first, 3: full}, {0: first, 2: full, 3: full}]
 
 
 # ---- the engine, end to end ---------------------------------------------------------------------------------------

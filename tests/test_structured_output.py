@@ -127,3 +127,31 @@ def test_constraints_that_do_not_compile_are_refused(llm: LLM) -> None:
         # the grammar forbids: at its end it allows only EOS, which min_tokens masks)
     (ok,) = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)  # (still serving)
     assert len(ok.outputs[0].token_ids) == 3
+
+
+def test_speculation_under_a_grammar() -> None:
+    """n-gram proposals for constrained sequences: only those the grammar allows are scheduled, each verified
+    position under its own bitmask row, so greedy output is the one without speculation (float32, a request at a
+    time: in a batch, a verification's several rows change the step's arithmetic, and the embedded model's digits
+    are near-ties), and sampled output still validates."""
+    speculative = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    plain = LLM(dtype="float32", num_kv_blocks=512, max_num_seqs=8)
+    spec = LLM(dtype="float32", num_kv_blocks=512, max_num_seqs=8, speculative_config=speculative)
+    regex = r"(keeper|guardian)( (keeper|guardian)){5,30}"
+    cases = [(f"Repeat after me: {' '.join(['keeper guardian'] * 12)}\n",
+              SamplingParams(temperature=0, max_tokens=60, structured_outputs=_constrained(regex=regex))),
+             (PROMPT, SamplingParams(temperature=0, max_tokens=100, structured_outputs=_constrained(json=SCHEMA)))]
+    for prompt, params in cases:
+        (expected,) = plain.generate([prompt], params, use_tqdm=False)
+        (output,) = spec.generate([prompt], params, use_tqdm=False)
+        assert output.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert re.fullmatch(regex, output.outputs[0].text) is None  # (the last case is the JSON one)
+    assert spec.llm_engine.get_stats()["spec_decode_num_accepted_tokens"] > 0
+    sampled = [SamplingParams(temperature=0.8, seed=i, max_tokens=160, structured_outputs=_constrained(json=SCHEMA))
+               for i in range(2)] + [SamplingParams(temperature=0.8, seed=9, max_tokens=60,
+                                                    structured_outputs=_constrained(regex=regex))]
+    outputs = spec.generate([PROMPT] * 2 + [cases[0][0]], sampled, use_tqdm=False)
+    for output in outputs[:2]:
+        if output.outputs[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(output.outputs[0].text), SCHEMA)
+    assert re.fullmatch(regex, outputs[2].outputs[0].text)

@@ -77,7 +77,8 @@ class SchedulerOutput:
 @dataclass
 class GrammarOutput:
     """What a step's constrained sequences may draw (structured output), for ModelRunner.sample_tokens: row i of
-    the bitmask is sequence seq_ids[i]'s, token v allowed where bit v % 32 of word v // 32 is set."""
+    the bitmask is sequence seq_ids[i]'s, token v allowed where bit v % 32 of word v // 32 is set. A sequence that
+    verifies k proposals has 1 + k rows in a row, for its sampled positions in order."""
 
     seq_ids: list[int]
     bitmask: np.ndarray  # int32 [len(seq_ids), ceil(vocab_size / 32)]

@@ -292,7 +292,8 @@ class EngineCore:
         if step.structured_seq_ids:
             seqs = [self.scheduler.seqs.get(i) for i in step.structured_seq_ids]
             live = [s for s in seqs if s is not None and s.grammar is not None]
-            grammar = self.structured_output.bitmask([s.seq_id for s in live], [s.grammar for s in live])
+            grammar = self.structured_output.bitmask([s.seq_id for s in live], [s.grammar for s in live],
+                                                     step.scheduled_spec_decode_tokens)
         return self.model_runner.sample_tokens(grammar)
 
     def get_stats(self) -> dict[str, float]:

@@ -27,8 +27,9 @@ With speculative decoding (a proposer), a decoding sequence may get proposed tok
 up to num_speculative_tokens, fewer where the token budget, the KV pool, max_tokens or max_model_len leave less
 room: it computes its newest token and the proposals in one step (SchedulerOutput.scheduled_spec_decode_tokens),
 and gets back the accepted run. The rejected proposals' slots are then not computed any more, and the blocks past
-its tokens are given back, so that the prefix cache never holds a rejected token. A sequence under a grammar, with
-penalties, or short of its min_tokens gets no proposals (the sampler applies those from each row's own tokens).
+its tokens are given back, so that the prefix cache never holds a rejected token. A sequence under a grammar gets
+only the proposals its grammar allows (each sampled position has its bitmask row); one with penalties, or short of
+its min_tokens, gets none (the sampler applies those from each row's own tokens).
 
 With scheduling="static", sequences are admitted only when nothing runs, as many as fit, and the
 batch runs to its end before the next one is admitted: it exists to show what continuous buys."""
@@ -189,7 +190,8 @@ class Scheduler:
         for seq in self.running:
             params = seq.params
             if (seq.num_tokens - seq.num_computed_tokens != 1 or (seq.num_output_placeholders and not in_flight)
-                    or seq.grammar is not None or params.has_penalties or seq.num_output_tokens < params.min_tokens):
+                    or (seq.grammar is not None and not seq.grammar.ready()) or params.has_penalties
+                    or seq.num_output_tokens < params.min_tokens):
                 continue
             limit = min(k, params.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens - 1)
             if limit > 0:
@@ -198,6 +200,9 @@ class Scheduler:
         if not seqs:
             return {}
         drafts = self.proposer.propose([s.seq_id for s in seqs], [s.token_ids for s in seqs], limits)
+        # (under a grammar, only the proposals it allows: the step samples each under its bitmask row)
+        drafts = [tokens if seq.grammar is None or not tokens else seq.grammar.valid_drafts(tokens)
+                  for seq, tokens in zip(seqs, drafts)]
         return {seq.seq_id: tokens for seq, tokens in zip(seqs, drafts) if tokens}
 
     def speculation_ready(self) -> bool:

@@ -86,6 +86,18 @@ class SequenceGrammar:
         if not self.matcher.accept_token(token):
             self.rejected = True
 
+    def valid_drafts(self, drafts: list[int]) -> list[int]:
+        """The leading proposed tokens (speculative decoding) the grammar allows from where it stands, up to the one
+        that ends it; the matcher is left where it was."""
+        num_valid = 0
+        for token in drafts:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                break
+            num_valid += 1
+        if num_valid:
+            self.matcher.rollback(num_valid)
+        return drafts[:num_valid]
+
     @property
     def terminated(self) -> bool:
         """Whether the grammar has ended: the sequence stops."""
@@ -133,14 +145,29 @@ class StructuredOutputManager:
             return self._compiler.compile_grammar(_ebnf_of_choice(json.loads(spec)))
         return self._compiler.compile_grammar(spec)
 
-    def bitmask(self, seq_ids: list[int], grammars: list[SequenceGrammar]) -> GrammarOutput:
-        """The rows of a step's bitmask, one per sequence that samples under a grammar that has not ended."""
+    def bitmask(self, seq_ids: list[int], grammars: list[SequenceGrammar],
+                drafts: dict[int, list[int]] | None = None) -> GrammarOutput:
+        """The rows of a step's bitmask, one per sequence that samples under a grammar that has not ended, and one
+        more per token it proposed (drafts, by sequence: speculative decoding samples after each), filled with the
+        matcher advanced through the proposals (the scheduler kept only those the grammar allows), then rolled back."""
         xgr = _xgrammar()
-        live = [(seq_id, g) for seq_id, g in zip(seq_ids, grammars) if g.ready() and not g.terminated]
-        mask = xgr.allocate_token_bitmask(len(live), self.vocab_size)
-        for row, (_, grammar) in enumerate(live):
-            grammar.matcher.fill_next_token_bitmask(mask, row)
-        return GrammarOutput([seq_id for seq_id, _ in live], mask.numpy())
+        drafts = drafts or {}
+        live = [(seq_id, g, drafts.get(seq_id, ())) for seq_id, g in zip(seq_ids, grammars)
+                if g.ready() and not g.terminated]
+        mask = xgr.allocate_token_bitmask(sum(1 + len(d) for _, _, d in live), self.vocab_size)
+        rows: list[int] = []
+        for seq_id, grammar, proposed in live:
+            matcher = grammar.matcher
+            matcher.fill_next_token_bitmask(mask, len(rows))
+            rows.append(seq_id)
+            for token in proposed:
+                if not matcher.accept_token(token):  # (not among valid_drafts: its row allows every token)
+                    raise AssertionError(f"sequence {seq_id}: a proposal its grammar does not allow was scheduled")
+                matcher.fill_next_token_bitmask(mask, len(rows))
+                rows.append(seq_id)
+            if proposed:
+                matcher.rollback(len(proposed))
+        return GrammarOutput(rows, mask.numpy())
 
     def shutdown(self) -> None:
         if self._executor is not None:

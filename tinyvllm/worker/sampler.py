@@ -271,9 +271,16 @@ class Sampler:
 
     @staticmethod
     def _apply_grammar(logits: torch.Tensor, grammar: GrammarOutput, seq_ids: list[int]) -> torch.Tensor:
-        """Mask the logits of the rows whose sequences the grammar names (a sequence gone since has none)."""
-        place = {seq_id: i for i, seq_id in enumerate(seq_ids)}
-        pairs = [(place[s], i) for i, s in enumerate(grammar.seq_ids) if s in place]
+        """Mask the logits of the rows whose sequences the grammar names (a sequence gone since has none): a
+        sequence's j-th bitmask row masks its j-th logits row (a verification samples several per sequence)."""
+        places: dict[int, list[int]] = {}
+        for i, seq_id in enumerate(seq_ids):
+            places.setdefault(seq_id, []).append(i)
+        pairs, taken = [], dict.fromkeys(places, 0)
+        for i, seq_id in enumerate(grammar.seq_ids):
+            if seq_id in places and taken[seq_id] < len(places[seq_id]):
+                pairs.append((places[seq_id][taken[seq_id]], i))
+                taken[seq_id] += 1
         if not pairs:
             return logits
         rows = torch.tensor([r for r, _ in pairs], dtype=torch.int64).to(logits.device, non_blocking=True)
