@@ -161,7 +161,7 @@ class StructuredOutputManager:
             matcher.fill_next_token_bitmask(mask, len(rows))
             rows.append(seq_id)
             for token in proposed:
-                if not matcher.accept_token(token):  # (not among valid_drafts: its row allows every token)
+                if not matcher.accept_token(token):  # (valid_drafts let it through at scheduling)
                     raise AssertionError(f"sequence {seq_id}: a proposal its grammar does not allow was scheduled")
                 matcher.fill_next_token_bitmask(mask, len(rows))
                 rows.append(seq_id)
