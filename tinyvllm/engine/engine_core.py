@@ -31,7 +31,7 @@ from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.scheduler import Scheduler
 from tinyvllm.engine.sequence import Sequence
 from tinyvllm.engine.structured_output import SequenceGrammar, StructuredOutputManager
-from tinyvllm.model.loader import build_model
+from tinyvllm.model.loader import build_model, return_freed_memory
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.spec_decode import make_proposer
 from tinyvllm.tokenizer import load_tokenizer
@@ -97,6 +97,8 @@ class EngineCore:
         self.step_callbacks: list[StepCallback] = []
         self.record_gpu_time = False  # time each step on the device for the step callbacks (costs a sync)
         self.num_generation_tokens = 0
+        if device.type == "cpu":  # (what building the engine allocated and freed: the process's memory after load)
+            return_freed_memory()
 
     def _start_tensor_parallel(self, resolved: Config) -> tuple[TensorParallel, TensorParallelWorkers | None]:
         """With tensor_parallel_size N > 1: start ranks 1..N-1 and join their group as rank 0."""
