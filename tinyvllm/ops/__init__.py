@@ -29,6 +29,7 @@ from tinyvllm.ops.layernorm import RowNorm, fused_add_rms_norm_ref, rms_norm_ref
 from tinyvllm.ops.logprobs import token_logprobs_ref
 from tinyvllm.ops.rotary import RopeStore, build_cos_sin_cache, rope_store_ref
 from tinyvllm.ops.sampling import sample_ref
+from tinyvllm.ops.triton_import import triton
 
 __all__ = [
     "AttentionMetadata",
@@ -79,13 +80,7 @@ DECODE_KERNEL_MAX_ROWS: dict[str, int] = {"qkv": 1, "o": 1, "gate_up": 1, "down"
 
 def triton_available() -> bool:
     """True when the Triton kernels can run on this machine's GPU."""
-    if _FORCE_REFERENCE or not torch.cuda.is_available():
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return not _FORCE_REFERENCE and torch.cuda.is_available() and triton is not None
 
 
 def _triton_kernels() -> dict[str, Callable[..., Any]]:

@@ -5,14 +5,9 @@ GELU(tanh)-and-mul (Gemma 2's), out = gelu_tanh(x[:, :I]) * x[:, I:]."""
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU engine imports the reference on machines without Triton
-    triton = None
-
 from tinyvllm.ops.layernorm import RowNorm, row_inv_rms, row_inv_rms_ref, row_norm_args
 from tinyvllm.ops.pdl import pdl_options, pdl_wait
+from tinyvllm.ops.triton_import import tl, triton
 
 
 def silu_and_mul_ref(x: torch.Tensor, norm: RowNorm | None = None) -> torch.Tensor:

@@ -10,13 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU engine imports the reference on machines without Triton
-    triton = None
-
 from tinyvllm.ops.pdl import pdl_options, pdl_wait, prefetch_l2
+from tinyvllm.ops.triton_import import tl, triton
 
 
 @dataclass

@@ -5,11 +5,7 @@ constrained rows are listed (`rows`), so the other rows of a batch pay nothing."
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU engine imports the reference on machines without Triton
-    triton = None
+from tinyvllm.ops.triton_import import tl, triton
 
 
 def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

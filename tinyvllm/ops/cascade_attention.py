@@ -40,12 +40,7 @@ from tinyvllm.ops.attention import (
     decode_num_splits,
     softcap_switch,
 )
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU engine uses the references on machines without Triton
-    triton = None
+from tinyvllm.ops.triton_import import tl, triton
 
 # When cascade attention pays (to tune on the GPU: benchmarks/bench_cascade.py, shared_prefix.py
 # --cascade-off): a prefix shorter than this many tokens costs the plain kernel little to read per sequence, and

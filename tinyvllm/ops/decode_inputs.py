@@ -11,13 +11,8 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU engine imports the reference on machines without Triton
-    triton = None
-
 from tinyvllm.ops.pdl import pdl_options, pdl_wait
+from tinyvllm.ops.triton_import import tl, triton
 
 
 def unpack_decode_inputs_ref(input_ids: torch.Tensor, pending: torch.Tensor, tokens: torch.Tensor,

@@ -2,13 +2,8 @@
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU engine imports the reference on machines without Triton
-    triton = None
-
 from tinyvllm.ops.pdl import pdl_options, pdl_wait
+from tinyvllm.ops.triton_import import tl, triton
 
 
 def embedding_ref(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

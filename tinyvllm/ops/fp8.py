@@ -22,14 +22,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU engine imports the references on machines without Triton
-    triton = None
-
 from tinyvllm.ops.pdl import pdl_options, pdl_wait
 from tinyvllm.ops.rotary import FP8_E4M3_MAX
+from tinyvllm.ops.triton_import import tl, triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 # The smallest per-token scale: a row of zeros (or of tiny values) gets this one instead of 0, so that quantizing it

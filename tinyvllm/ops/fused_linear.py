@@ -35,12 +35,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU engine imports the references on machines without Triton
-    triton = None
-
 from tinyvllm.ops.activation import silu_and_mul_ref
 from tinyvllm.ops.fp8 import FP8_DTYPE, dequantize_fp8_weight
 from tinyvllm.ops.gemv import GEMV_MAX_ROWS, GemvConfig, launch_gemv
@@ -48,6 +42,7 @@ from tinyvllm.ops.layernorm import _launch_rms_norm, fused_add_rms_norm_ref, rms
 from tinyvllm.ops.linear import SkinnyConfig, _counters, _num_sms, _weight_layout, skinny_matmul_config
 from tinyvllm.ops.pdl import pdl_options, pdl_wait
 from tinyvllm.ops.rotary import RopeStore, rope_store_ref, rope_store_triton
+from tinyvllm.ops.triton_import import tl, triton
 
 _EMPTY_KEY = -(2**63 - 1)  # below every packed (value, index) key: what the argmax keys hold between launches
 _NORM_ELEMENTS = 4096  # elements of x per step of the prologue's sum of squares (BLOCK_M rows x NORM_BLOCK)

@@ -35,14 +35,9 @@ from typing import NamedTuple
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU engine imports the references on machines without Triton
-    triton = None
-
 from tinyvllm.ops.pdl import pdl_options, pdl_wait
 from tinyvllm.ops.rotary import RopeStore
+from tinyvllm.ops.triton_import import tl, triton
 
 GEMV_MAX_ROWS = 4  # rows (tokens) a GEMV takes; more go to the tiled kernels or cuBLAS
 _TILE_BYTES = 16384  # weight bytes per program (32 registers a thread at 4 warps): the fastest tile at M = 1

@@ -5,13 +5,8 @@ from typing import NamedTuple
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU engine imports the reference on machines without Triton
-    triton = None
-
 from tinyvllm.ops.pdl import pdl_options, pdl_wait
+from tinyvllm.ops.triton_import import tl, triton
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -55,6 +50,7 @@ def row_norm_args(norm: RowNorm | None, rows: int, unused: torch.Tensor) -> tupl
     return stream, norm.eps, triton.next_power_of_2(stream.shape[1])
 
 
+row_inv_rms = None  # (a Triton device function: where Triton is not imported, a name the kernels' modules import)
 if triton is not None:
 
     @triton.jit

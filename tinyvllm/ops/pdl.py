@@ -18,15 +18,14 @@ import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU engine imports the references on machines without Triton
-    triton = None
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # no Triton, or one without grid dependency control
-    gdc_wait = gdc_launch_dependents = None
+from tinyvllm.ops.triton_import import tl, triton
+
+gdc_wait = gdc_launch_dependents = None
+if triton is not None:
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    except ImportError:  # (a Triton without grid dependency control)
+        pass
 
 _OFF: dict = {"USE_PDL": False}
 _ON: dict = {"USE_PDL": True, "launch_pdl": True}
@@ -56,7 +55,7 @@ def pdl_options(t: torch.Tensor) -> dict:
     return _ON if runs_ptx(t) and _supported(t.device.index or 0) else _OFF
 
 
-pdl_wait = None
+pdl_wait = prefetch_l2 = None  # (device functions: where Triton is not imported, names the kernels' modules import)
 if triton is not None:
 
     @triton.jit

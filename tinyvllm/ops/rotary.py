@@ -7,14 +7,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU engine imports the reference on machines without Triton
-    triton = None
-
 from tinyvllm.ops.layernorm import RowNorm, row_inv_rms, row_inv_rms_ref, row_norm_args
 from tinyvllm.ops.pdl import pdl_options, pdl_wait
+from tinyvllm.ops.triton_import import tl, triton
 
 # The rope scaling types (config.json's rope_scaling.rope_type, or its older `type`) rope_inv_freq implements.
 ROPE_SCALING_TYPES = ("default", "llama3")

@@ -4,13 +4,8 @@ import functools
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU engine imports the reference on machines without Triton
-    triton = None
-
 from tinyvllm.ops.pdl import pdl_options, pdl_wait, runs_ptx
+from tinyvllm.ops.triton_import import tl, triton
 
 
 def sample_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
