@@ -141,11 +141,15 @@ def test_speculation_under_a_grammar() -> None:
     cases = [(f"Repeat after me: {' '.join(['keeper guardian'] * 12)}\n",
               SamplingParams(temperature=0, max_tokens=60, structured_outputs=_constrained(regex=regex))),
              (PROMPT, SamplingParams(temperature=0, max_tokens=100, structured_outputs=_constrained(json=SCHEMA)))]
+    greedy = []
     for prompt, params in cases:
         (expected,) = plain.generate([prompt], params, use_tqdm=False)
         (output,) = spec.generate([prompt], params, use_tqdm=False)
         assert output.outputs[0].token_ids == expected.outputs[0].token_ids
-    assert re.fullmatch(regex, output.outputs[0].text) is None  # (the last case is the JSON one)
+        greedy.append(output.outputs[0])
+    assert re.fullmatch(regex, greedy[0].text)
+    if greedy[1].finish_reason == "stop":
+        jsonschema.validate(json.loads(greedy[1].text), SCHEMA)
     assert spec.llm_engine.get_stats()["spec_decode_num_accepted_tokens"] > 0
     sampled = [SamplingParams(temperature=0.8, seed=i, max_tokens=160, structured_outputs=_constrained(json=SCHEMA))
                for i in range(2)] + [SamplingParams(temperature=0.8, seed=9, max_tokens=60,
