@@ -85,6 +85,7 @@ class DraftModelProposer(Proposer):
             starts.append(start)
         if not seated:
             return drafts
+        index = {seq_id: i for i, seq_id in enumerate(seq_ids)}
         finished, self._freed = self._freed + [seq_ids[i] for i in seated if seq_ids[i] in self._held], []
         self._held.update(seq_ids[i] for i in seated)
         # Catch up on the tokens the cache lacks, in steps of at most max_num_batched_tokens: each sequence draws its
@@ -103,21 +104,21 @@ class DraftModelProposer(Proposer):
                 left[i] -= n
                 if not left[i]:
                     del left[i]
-            self._run(step, seq_ids, drafts)
+            self._run(step, index, drafts)
         for i in seated:
             self._cached[seq_ids[i]].num_tokens = len(token_ids[i])
         # Then the other guesses, a decode step each
         for j in range(1, max(max_num_tokens[i] for i in seated)):
             decoding = [seq_ids[i] for i in seated if max_num_tokens[i] > j]
-            self._run(SchedulerOutput(decoding, [1] * len(decoding)), seq_ids, drafts)
+            self._run(SchedulerOutput(decoding, [1] * len(decoding)), index, drafts)
         for i in seated:
             self._cached[seq_ids[i]].guesses = drafts[i][:-1]
         return drafts
 
-    def _run(self, step: SchedulerOutput, seq_ids: list[int], drafts: list[list[int]]) -> None:
-        """One step of the draft's runner; the tokens it draws are appended to their sequences' drafts."""
+    def _run(self, step: SchedulerOutput, index: dict[int, int], drafts: list[list[int]]) -> None:
+        """One step of the draft's runner; the tokens it draws are appended to their sequences' drafts (index: a
+        sequence id's place in them)."""
         self.runner.execute_model(step)
         output = self.runner.sample_tokens().get()
-        index = {seq_id: i for i, seq_id in enumerate(seq_ids)}
         for seq_id, (token,) in zip(output.seq_ids, output.sampled_token_ids):
             drafts[index[seq_id]].append(token)

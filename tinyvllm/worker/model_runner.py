@@ -8,8 +8,8 @@ pass (execute_model), and samples the next token of every sequence whose last kn
 A sequence with proposed tokens (speculative decoding: SchedulerOutput.scheduled_spec_decode_tokens) computes its
 newest token and the proposals as one chunk, and is sampled at each of those positions; the rejection sampler keeps
 the accepted run (rejection_sampler.py). Such steps take more tokens than sequences, so they never replay a decode
-graph: on CUDA they run as the whole-step or piecewise graphs, or eager, and the engine runs them without async
-scheduling (the next step's proposals need the tokens accepted)."""
+graph: on CUDA they run as the whole-step or piecewise graphs, or eager; the engine launches no step ahead of one (the
+next step's positions need its accepted count)."""
 
 from __future__ import annotations
 
