@@ -73,10 +73,7 @@ class Fp8LinearMethod:
         if not self.config.from_checkpoint:
             return
         out_features, in_features = layer.weight.shape
-        weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn,
-                                          device=layer.weight.device), requires_grad=False)
-        weight.weight_loader, weight.shard_ids = layer.weight.weight_loader, layer.weight.shard_ids
-        layer.weight = weight
+        layer.weight = weight = _loaded_like_weight(layer, (out_features, in_features), torch.float8_e4m3fn)
         if self.config.weight_strategy == "channel":
             shape, loader = (out_features,), _channel_scale_loader(layer)
         else:
@@ -138,11 +135,7 @@ class GGUFInt4LinearMethod:
         else:
             shapes = ((out_features, in_features), torch.int8), ((out_features, in_features // INT4_GROUP),
                                                                   torch.float32)
-        for name, (shape, dtype) in zip(("weight", "weight_scale"), shapes):
-            param = nn.Parameter(torch.empty(shape, dtype=dtype, device=layer.weight.device), requires_grad=False)
-            param.weight_loader = getattr(layer.weight, "weight_loader", None)
-            param.shard_ids = getattr(layer.weight, "shard_ids", (None,))
-            setattr(layer, name, param)
+        layer.weight, layer.weight_scale = (_loaded_like_weight(layer, shape, dtype) for shape, dtype in shapes)
 
     def fold_norm(self, layer: nn.Module, norm_weight: torch.Tensor) -> None:
         """RMSNorm.fold_into: the norm's weight becomes a factor of the activations (the 4-bit values cannot take it
@@ -204,11 +197,7 @@ class GGUFBf16LinearMethod:
 
     def create_weights(self, layer: nn.Module) -> None:
         layer.method = self
-        weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=torch.bfloat16, device=layer.weight.device),
-                              requires_grad=False)
-        weight.weight_loader = getattr(layer.weight, "weight_loader", None)
-        weight.shard_ids = getattr(layer.weight, "shard_ids", (None,))
-        layer.weight = weight
+        layer.weight = _loaded_like_weight(layer, tuple(layer.weight.shape), torch.bfloat16)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         pass
@@ -227,6 +216,15 @@ class GGUFBf16LinearMethod:
 def method_of(config: QuantizationConfig | None) -> UnquantizedLinearMethod | Fp8LinearMethod | None:
     """The method of the layers `config` quantizes (None: every layer keeps the default, unquantized)."""
     return None if config is None else Fp8LinearMethod(config)
+
+
+def _loaded_like_weight(layer: nn.Module, shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+    """An empty parameter of a format's own shape and dtype that the checkpoint fills as it would fill layer.weight
+    (its loader, cutting this rank's rows, and its shard ids)."""
+    param = nn.Parameter(torch.empty(shape, dtype=dtype, device=layer.weight.device), requires_grad=False)
+    param.weight_loader = getattr(layer.weight, "weight_loader", None)
+    param.shard_ids = getattr(layer.weight, "shard_ids", (None,))
+    return param
 
 
 def _shard_rows(layer: nn.Module) -> list[tuple[int, int]]:
