@@ -124,8 +124,6 @@ def build_model(config: ModelConfig, path: str, device: torch.device, dtype: tor
         _quantize_lm_head(model, quantization)
     if is_gguf(path):
         release_reader(path)
-    if keeps_gguf_types:
-        return_freed_memory()
     model.finish_loading(device)
     for module in model.modules():
         if isinstance(module, Linear) or (isinstance(module, VocabParallelEmbedding)
@@ -135,10 +133,10 @@ def build_model(config: ModelConfig, path: str, device: torch.device, dtype: tor
 
 
 def return_freed_memory() -> None:
-    """Give the heap's free pages back to the OS (glibc's malloc_trim): the load's transient arrays (a tensor's
-    blocks as read, its values widened for packing) leave ~130 MB of them for the embedded model, and the engine's
-    start on the CPU (its runner's first steps, the tokenizer's conversion) ~170 MB more, which would otherwise stay
-    resident. Nothing where the C library has no malloc_trim."""
+    """Give the heap's free pages back to the OS (glibc's malloc_trim), as the CPU engine does once it is built: the
+    load's transient arrays (a GGUF tensor's blocks as read, its values widened for packing), the runner's first steps
+    and the tokenizer's conversion leave ~300 MB of them for the embedded model, which would otherwise stay resident.
+    Nothing where the C library has no malloc_trim."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
