@@ -316,7 +316,7 @@ class Attention(nn.Module):
     def rope_store(self, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata) -> ops.RopeStore:
         """What follows the qkv product: q and k rotated at `positions`, k and v stored at the step's cache slots."""
         return ops.RopeStore(positions, cos_sin, self.k_cache, self.v_cache, meta.slot_mapping, self.num_heads,
-                             self.num_kv_heads)
+                             self.num_kv_heads, meta.memo)
 
     def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         """This layer's K and V pools (num_blocks=0: none, to measure memory without them)."""

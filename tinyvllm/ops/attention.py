@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,10 @@ class AttentionMetadata:
     # Triton path sends them to the flash-decoding kernel and only the others to the prefill kernel, whose tiles
     # of query rows would hold one GQA group's rows for each of them (benchmarks/RESULTS.md).
     num_decodes: int = 0
+    # What the reference ops derive from this step's metadata alone (the K/V store's block and offset of each token,
+    # the rotary table's rows of its positions), computed by the first layer and kept for the others: on the CPU
+    # each small op costs more than its arithmetic. Keyed by what it holds; a new step has a new, empty one.
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

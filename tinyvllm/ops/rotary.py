@@ -70,28 +70,55 @@ def to_cache_dtype_ref(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tenso
     return x.to(cache_dtype)
 
 
+def _store_index(slot_mapping: torch.Tensor, block_size: int,
+                 memo: dict | None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(the rows of slot_mapping that store, None for all; their blocks; their offsets in the block), once per step
+    where a memo (AttentionMetadata.memo) keeps them."""
+    key = ("store_index", block_size)
+    if memo is not None and key in memo:
+        return memo[key]
+    rows = None if bool((slot_mapping >= 0).all()) else (slot_mapping >= 0).nonzero().squeeze(1)
+    slots = slot_mapping if rows is None else slot_mapping[rows]
+    index = rows, slots // block_size, slots % block_size  # (indexed so: any layout of the pool)
+    if memo is not None:
+        memo[key] = index
+    return index
+
+
 def store_kv_ref(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    memo: dict | None = None,
 ) -> None:
     """k, v [T, Hk, D] into k_cache, v_cache [num_blocks, block_size, Hk, D] at flat slot
     slot_mapping[t] = block * block_size + offset (converted by to_cache_dtype_ref); a slot of -1 (padding) is
-    skipped. In place."""
-    rows = (slot_mapping >= 0).nonzero().squeeze(1)
-    slots = slot_mapping[rows]
-    blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]  # (indexed so: any layout of the pool)
-    k_cache[blocks, offsets] = to_cache_dtype_ref(k[rows], k_cache.dtype)
-    v_cache[blocks, offsets] = to_cache_dtype_ref(v[rows], v_cache.dtype)
+    skipped. In place. memo: the step's AttentionMetadata.memo, to find the slots' blocks once per step."""
+    rows, blocks, offsets = _store_index(slot_mapping, k_cache.shape[1], memo)
+    if rows is not None:
+        k, v = k[rows], v[rows]
+    k_cache[blocks, offsets] = to_cache_dtype_ref(k, k_cache.dtype)
+    v_cache[blocks, offsets] = to_cache_dtype_ref(v, v_cache.dtype)
 
 
-def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [T, 1, D/2] of each token's position, to rotate all its heads with."""
-    return cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+             memo: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [T, 1, D] of each token's position, each half of a head's D with the same angles and sin negated
+    on the first half, so that _rotate is two products; once per step where a memo keeps them."""
+    key = ("cos_sin", positions.data_ptr(), cos_sin_cache.data_ptr())
+    if memo is not None and key in memo:
+        return memo[key]
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+    pair = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+    if memo is not None:
+        memo[key] = pair
+    return pair
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by _cos_sin's (cos, sin), in float32."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    """x [T, H, D] rotated by _cos_sin's (cos, sin), in float32: with (x1, x2) its halves,
+    (x1*cos - x2*sin, x2*cos + x1*sin) = x * (cos, cos) + (x2, x1) * (-sin, sin)."""
+    x = x.float()
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.addcmul(x * cos, torch.cat([x2, x1], dim=-1), sin)
 
 
 def rotary_embedding_ref(
@@ -125,6 +152,7 @@ class RopeStore(NamedTuple):
     slot_mapping: torch.Tensor  # [T], -1: store nothing
     num_q_heads: int
     num_kv_heads: int
+    memo: dict | None = None  # the step's AttentionMetadata.memo (the references' indices, once per step)
 
 
 def _qkv_heads(qkv: torch.Tensor, rope: RopeStore) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -145,11 +173,12 @@ def rope_store_ref(qkv: torch.Tensor, rope: RopeStore, norm: RowNorm | None = No
     if norm is not None:
         x = x * row_inv_rms_ref(norm)[:, None]
     qk_cols = (rope.num_q_heads + rope.num_kv_heads) * head_dim
-    qk = _rotate(x[:, :qk_cols].view(num_tokens, -1, head_dim), *_cos_sin(rope.positions, rope.cos_sin_cache))
+    qk = _rotate(x[:, :qk_cols].view(num_tokens, -1, head_dim),
+                 *_cos_sin(rope.positions, rope.cos_sin_cache, rope.memo))
     qk = qk.to(qkv.dtype)
     q, k = qk.split([rope.num_q_heads, rope.num_kv_heads], dim=1)
     store_kv_ref(k, x[:, qk_cols:].view(num_tokens, -1, head_dim).to(qkv.dtype), rope.k_cache, rope.v_cache,
-                 rope.slot_mapping)
+                 rope.slot_mapping, rope.memo)
     qkv[:, :rope.num_q_heads * head_dim] = q.flatten(1)
     return qkv
 
