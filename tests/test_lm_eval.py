@@ -5,7 +5,8 @@ backend (echo and logprobs over token-id prompts, the server's tokenizer through
 The server runs the model in float32 (--dtype float32), as transformers does: the two accuracies must be equal but for
 near ties (a question whose best two choices transformers scores within NEAR_TIE of each other may flip; each flip is
 printed). The server's default on the CPU, the GGUF's own 4-bit and 8-bit weights, is scored too: within one question
-of transformers' float32 accuracy."""
+of transformers' float32 accuracy; and the model with its linear layers quantized to float8 at load
+(--quantization fp8, from the float32 weights): within one question of the same model served unquantized."""
 
 from __future__ import annotations
 
@@ -93,6 +94,7 @@ def test_local_completions_scores_as_transformers(tmp_path: Path, capsys) -> Non
 
     served = served_by("served", "--dtype", "float32")
     quantized = served_by("served-gguf-types")
+    fp8 = served_by("served-fp8", "--dtype", "float32", "--quantization", "fp8")
     reference = _lm_eval(tmp_path, "hf", "hf", f"pretrained={os.path.dirname(gguf)},"
                          f"gguf_file={os.path.basename(gguf)},dtype=float32", "--device", "cpu")
 
@@ -103,12 +105,17 @@ def test_local_completions_scores_as_transformers(tmp_path: Path, capsys) -> Non
         if ours["acc"] != theirs["acc"]:
             scores = sorted((float(r[0]) for r in theirs["filtered_resps"]), reverse=True)
             flips.append((theirs["doc"]["question"], scores[0] - scores[1]))
-    accuracy = [sum(row["acc"] for row in rows) / len(rows) for rows in (served, reference, quantized)]
+    accuracy = [sum(row["acc"] for row in rows) / len(rows) for rows in (served, reference, quantized, fp8)]
+    fp8_gaps = [abs(float(a[0]) - float(b[0])) for ours, theirs in zip(fp8, served)
+                for a, b in zip(ours["filtered_resps"], theirs["filtered_resps"])]
     with capsys.disabled():
         print(f"\nlm-eval tiny_facts ({len(QUESTIONS)} questions): local-completions on tinyvllm serve "
-              f"acc {accuracy[0]:.3f} (float32), {accuracy[2]:.3f} (the GGUF's own types); hf (transformers) acc "
-              f"{accuracy[1]:.3f}; flips {flips}; choices' loglikelihoods differ by up to {max(gaps):.2e} nats")
+              f"acc {accuracy[0]:.3f} (float32), {accuracy[2]:.3f} (the GGUF's own types), {accuracy[3]:.3f} (fp8 "
+              f"weights; choices' loglikelihoods within {max(fp8_gaps):.2e} nats of float32's, mean "
+              f"{sum(fp8_gaps) / len(fp8_gaps):.2e}); hf (transformers) acc {accuracy[1]:.3f}; flips {flips}; "
+              f"choices' loglikelihoods differ by up to {max(gaps):.2e} nats")
     assert abs(accuracy[2] - accuracy[1]) <= 1 / len(QUESTIONS) + 1e-9
+    assert abs(accuracy[3] - accuracy[0]) <= 1 / len(QUESTIONS) + 1e-9
     assert all(gap < NEAR_TIE for _, gap in flips), flips
     assert accuracy[0] == pytest.approx(accuracy[1], abs=len(flips) / len(QUESTIONS) + 1e-9)
     assert accuracy[1] > 0.25  # (better than chance: the task and the model are real)
