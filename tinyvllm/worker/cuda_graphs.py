@@ -133,6 +133,10 @@ class CudaGraphs:
         self.graphs: dict[tuple[int, bool, str | None], torch.cuda.CUDAGraph] = {}
         self.has_tails = tail is not None
         self.pool: tuple[int, int] | None = None  # (the piecewise graphs share it: no two graphs ever run at once)
+        # Every graph is captured on this one stream (the piecewise graphs too): the caching allocator reuses a freed
+        # block only for an allocation on the stream it was made on, so graphs captured on streams of their own
+        # could not share the pool's memory at all, and each would hold its own.
+        self.stream = torch.cuda.Stream(device)
         for bs in reversed(self.batch_sizes):
             for shared in (False, True) if cascade and bs >= CASCADE_MIN_SEQS else (False,):
                 for mode in TAIL_MODES if tail is not None else (None,):
@@ -144,7 +148,7 @@ class CudaGraphs:
         """A graph of `step`, run once before (so that it compiles outside the capture)."""
         step()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             step()
         self.pool = graph.pool()
         return graph
@@ -260,8 +264,11 @@ class PiecewiseCudaGraphs:
 
     @torch.inference_mode()
     def __init__(self, model: torch.nn.Module, max_num_tokens: int, device: torch.device,
-                 pool: tuple[int, int] | None, max_blocks_per_seq: int, block_size: int) -> None:
+                 pool: tuple[int, int] | None, max_blocks_per_seq: int, block_size: int,
+                 stream: torch.cuda.Stream) -> None:
+        """pool, stream: the decode graphs' (CudaGraphs.pool, .stream), so that all share one pool's memory."""
         self.token_counts, whole_counts = graph_token_counts(max_num_tokens, max_blocks_per_seq * block_size)
+        self.stream = stream
         top = self.token_counts[-1]
         self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
         self.positions = torch.zeros(top, dtype=torch.int64, device=device)
@@ -304,7 +311,7 @@ class PiecewiseCudaGraphs:
         args = (self.input_ids[:count], self.positions[:count], meta)
         model(*args)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             output = model(*args)
         self.pool = graph.pool()
         return graph, output
@@ -319,7 +326,6 @@ class PiecewiseCudaGraphs:
     def _capture(self, model: torch.nn.Module, args: tuple,
                  meta: Callable[[Callable[..., torch.Tensor]], AttentionMetadata]) -> _Pieces:
         pieces = _Pieces()
-        stream = torch.cuda.Stream()
         torch.cuda.synchronize()
 
         def begin() -> None:
@@ -338,7 +344,7 @@ class PiecewiseCudaGraphs:
             begin()
             return self.attn_out[:count]
 
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(self.stream):
             begin()
             pieces.output = model(*args, meta(cut))
             pieces.graphs[-1].capture_end()

@@ -193,7 +193,7 @@ class ModelRunner:
                                           tail=self.draw)
             self.piecewise_graphs = PiecewiseCudaGraphs(model, config.max_num_batched_tokens, device,
                                                         self.cuda_graphs.pool, self.max_blocks_per_seq,
-                                                        self.block_size)
+                                                        self.block_size, self.cuda_graphs.stream)
             # (not counted in the KV cache's sizing: gpu_memory_utilization's rest must hold it)
             logger.info("CUDA graphs captured: %.2f GiB", (torch.cuda.memory_reserved(device) - reserved) / 2**30)
         self.fixed_shapes = device.type == "cuda"  # (on the CPU shapes cost nothing: the batch runs as it is)
