@@ -83,6 +83,22 @@ def test_sequences_that_overflow_the_pool_whole_run_together(mistral, async_sche
     assert max(s.num_running for s in stats) == len(prompts) and sum(s.num_preemptions for s in stats) == 0
 
 
+def test_a_prompt_longer_than_the_pool_is_taken(mistral, tmp_path):
+    """A pool of 7 blocks (112 tokens) holds the window, a chunk and a partial block at each end (88 tokens): a
+    300-token prompt is taken (not refused as longer than the cache) and gets transformers' tokens. Without the window
+    (the same config without sliding_window) the same request is refused, naming the cache's size."""
+    path, hf = mistral
+    prompt = _prompt(300, 5)
+    llm = _llm(path, num_kv_blocks=7)
+    assert llm.llm_engine.engine_core.kv_capacity_tokens >= len(prompt) + GREEDY.max_tokens
+    (tokens,), stats = _run(llm, [prompt])
+    assert tokens == hf_greedy(hf, prompt, GREEDY.max_tokens)
+    assert max(s.num_blocks_used for s in stats) <= 7 and sum(s.num_preemptions for s in stats) == 0
+    unwindowed = _llm(_save(str(tmp_path / "mistral"), "Mistral", 4, sliding_window=None, **SMALL), num_kv_blocks=7)
+    with pytest.raises(ValueError, match="whole cache holds 112"):
+        unwindowed.generate([prompt], GREEDY, use_tqdm=False)
+
+
 def test_shared_prefix_from_the_cache_gives_transformers_tokens(mistral):
     """Two requests that share a 200-token prefix arrive together (the second waits for the first's blocks and takes
     them from the cache), then a third: each gets transformers' tokens, the later ones from cached blocks of which

@@ -131,7 +131,16 @@ class EngineCore:
 
     @property
     def kv_capacity_tokens(self) -> int:
-        return self.block_manager.num_blocks * self.block_manager.block_size
+        """The most tokens (prompt and output) one request may hold in the KV cache: the pool's; or, where every layer
+        attends within a sliding window and the pool holds the most one sequence keeps at once (its window, a step's
+        chunk and a partial block at each end: the scheduler gives back the blocks that fell out of the window), any
+        length the model takes."""
+        bm, scheduler = self.block_manager, self.scheduler
+        pool = bm.num_blocks * bm.block_size
+        window = bm.sliding_window
+        if window is not None and window + scheduler.max_num_batched_tokens + 2 * bm.block_size <= pool:
+            return max(pool, scheduler.max_model_len)
+        return pool
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
