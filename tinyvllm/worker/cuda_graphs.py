@@ -135,8 +135,9 @@ class CudaGraphs:
         self.pool: tuple[int, int] | None = None  # (the piecewise graphs share it: no two graphs ever run at once)
         # Every graph is captured on this one stream (the piecewise graphs too): the caching allocator reuses a freed
         # block only for an allocation on the stream it was made on, so graphs captured on streams of their own
-        # could not share the pool's memory at all, and each would hold its own.
-        self.stream = torch.cuda.Stream(device)
+        # could not share the pool's memory at all, and each would hold its own. (None off CUDA: the CPU tests
+        # run this class's step logic with capture replaced.)
+        self.stream = torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None
         for bs in reversed(self.batch_sizes):
             for shared in (False, True) if cascade and bs >= CASCADE_MIN_SEQS else (False,):
                 for mode in TAIL_MODES if tail is not None else (None,):
@@ -265,7 +266,7 @@ class PiecewiseCudaGraphs:
     @torch.inference_mode()
     def __init__(self, model: torch.nn.Module, max_num_tokens: int, device: torch.device,
                  pool: tuple[int, int] | None, max_blocks_per_seq: int, block_size: int,
-                 stream: torch.cuda.Stream) -> None:
+                 stream: torch.cuda.Stream | None) -> None:
         """pool, stream: the decode graphs' (CudaGraphs.pool, .stream), so that all share one pool's memory."""
         self.token_counts, whole_counts = graph_token_counts(max_num_tokens, max_blocks_per_seq * block_size)
         self.stream = stream
