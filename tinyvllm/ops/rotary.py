@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -70,19 +71,20 @@ def to_cache_dtype_ref(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tenso
     return x.to(cache_dtype)
 
 
-def _store_index(slot_mapping: torch.Tensor, block_size: int,
-                 memo: dict | None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """(the rows of slot_mapping that store, None for all; their blocks; their offsets in the block), once per step
-    where a memo (AttentionMetadata.memo) keeps them."""
-    key = ("store_index", block_size)
-    if memo is not None and key in memo:
-        return memo[key]
+def _once_per_step(memo: dict | None, key: tuple, make: Callable[[], Any]) -> Any:
+    """make(), or what it gave the step's first layer where a memo (AttentionMetadata.memo) keeps it under key."""
+    if memo is None:
+        return make()
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
+def _store_index(slot_mapping: torch.Tensor, block_size: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(the rows of slot_mapping that store, None for all; their blocks; their offsets in the block)."""
     rows = None if bool((slot_mapping >= 0).all()) else (slot_mapping >= 0).nonzero().squeeze(1)
     slots = slot_mapping if rows is None else slot_mapping[rows]
-    index = rows, slots // block_size, slots % block_size  # (indexed so: any layout of the pool)
-    if memo is not None:
-        memo[key] = index
-    return index
+    return rows, slots // block_size, slots % block_size  # (indexed so: any layout of the pool)
 
 
 def store_kv_ref(
@@ -92,7 +94,9 @@ def store_kv_ref(
     """k, v [T, Hk, D] into k_cache, v_cache [num_blocks, block_size, Hk, D] at flat slot
     slot_mapping[t] = block * block_size + offset (converted by to_cache_dtype_ref); a slot of -1 (padding) is
     skipped. In place. memo: the step's AttentionMetadata.memo, to find the slots' blocks once per step."""
-    rows, blocks, offsets = _store_index(slot_mapping, k_cache.shape[1], memo)
+    block_size = k_cache.shape[1]
+    rows, blocks, offsets = _once_per_step(memo, ("store_index", block_size),
+                                           lambda: _store_index(slot_mapping, block_size))
     if rows is not None:
         k, v = k[rows], v[rows]
     k_cache[blocks, offsets] = to_cache_dtype_ref(k, k_cache.dtype)
@@ -103,14 +107,11 @@ def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor,
              memo: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) [T, 1, D] of each token's position, each half of a head's D with the same angles and sin negated
     on the first half, so that _rotate is two products; once per step where a memo keeps them."""
-    key = ("cos_sin", positions.data_ptr(), cos_sin_cache.data_ptr())
-    if memo is not None and key in memo:
-        return memo[key]
-    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-    pair = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
-    if memo is not None:
-        memo[key] = pair
-    return pair
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+        return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+    return _once_per_step(memo, ("cos_sin", positions.data_ptr(), cos_sin_cache.data_ptr()), make)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
