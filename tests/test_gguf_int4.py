@@ -13,7 +13,7 @@ import torch
 from tinyvllm.config import QuantizationConfig
 from tinyvllm.model.gguf_loader import gguf_cache_dir, int4_groups, int8_groups
 from tinyvllm.model.layers import Linear
-from tinyvllm.model.quantization import INT4_GROUP, GGUFInt4LinearMethod
+from tinyvllm.model.quantization import INT4_GROUP, REFINED_LOGITS, GGUFInt4LinearMethod
 from tinyvllm.ops import AttentionMetadata
 from tinyvllm.worker.kv_cache import allocate_kv_cache, cpu_default_blocks
 
@@ -38,11 +38,12 @@ def dequantized(raw: np.ndarray, qtype: str, rows: int, cols: int) -> torch.Tens
     return torch.from_numpy(np.array(gguf.quants.dequantize(raw, getattr(Q, qtype)), np.float32).reshape(rows, cols))
 
 
-def kept_layer(qtype: str, raw: np.ndarray, rows: int, cols: int) -> Linear:
-    """A Linear in GGUFInt4LinearMethod holding `raw`, loaded and packed as the loader does it."""
+def kept_layer(qtype: str, raw: np.ndarray, rows: int, cols: int, lookups: bool = False) -> Linear:
+    """A Linear in GGUFInt4LinearMethod holding `raw`, loaded and packed as the loader does it (lookups: a tied
+    Q8_0 table, which is the LM head)."""
     layer = Linear(cols, rows)
     bits = 8 if qtype == "Q8_0" else 4
-    GGUFInt4LinearMethod(bits).create_weights(layer)
+    GGUFInt4LinearMethod(bits, lookups).create_weights(layer)
     values, scales = (int8_groups if bits == 8 else int4_groups)(raw, qtype, (rows, cols))
     layer.weight.data.copy_(torch.from_numpy(values))
     layer.weight_scale.data.copy_(torch.from_numpy(scales))
@@ -103,6 +104,26 @@ def test_the_int4_product_is_its_dequantized_reference(qtype):
     torch.testing.assert_close(y, reference.bfloat16().float(), rtol=2**-7, atol=1e-3 * reference.abs().max().item())
     exact = x.bfloat16().float() @ dequantized(raw, qtype, rows, cols).t()
     torch.testing.assert_close(y, exact, rtol=0.02, atol=0.01 * exact.abs().max().item())
+
+
+def test_a_tied_q8_0_heads_largest_logits_are_float32_products():
+    """The 4-bit kernel's logits are bfloat16 (8 significant bits); an LM head kept as a tied Q8_0 table recomputes
+    the REFINED_LOGITS largest of each row from its exact rows: there they are float32 products with the
+    dequantized table, where the kernel's own are not; the others keep its rounding. 70 rows: two chunks."""
+    rng = np.random.default_rng(5)
+    vocab, hidden = 512, 256
+    raw = raw_tensor("Q8_0", vocab, hidden, rng)
+    head = kept_layer("Q8_0", raw, vocab, hidden, lookups=True)
+    x = 4 * torch.randn(70, hidden)
+    logits, exact = head(x), x @ dequantized(raw, "Q8_0", vocab, hidden).t()
+    top = exact.topk(8).indices
+    torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top), rtol=1e-6, atol=1e-5)
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    rounded = head.method.product(head, x).float()
+    assert not torch.allclose(rounded.gather(1, top), exact.gather(1, top), rtol=1e-4, atol=1e-3)
+    scale = exact.abs().max().item()
+    torch.testing.assert_close(logits, exact, rtol=2**-7, atol=0.01 * scale)
+    assert REFINED_LOGITS < vocab
 
 
 def write_tiny_gguf(path: str, types: dict[str, str]) -> None:

@@ -103,6 +103,9 @@ class Fp8LinearMethod:
 
 
 INT4_GROUP = 32
+# Per row of an LM head kept as a tied Q8_0 table: how many of its largest logits are recomputed in float32 from the
+# table's exact rows (GGUFInt4LinearMethod.refine_top_logits).
+REFINED_LOGITS = 32
 
 
 class GGUFInt4LinearMethod:
@@ -117,7 +120,8 @@ class GGUFInt4LinearMethod:
     written to disk) and `weight_scale` its bfloat16 scales and zeros [inputs / 32, out, 2]; w = (q - 8) * scale +
     zero, exactly the file's weights with their scales rounded to bfloat16. A norm folded into the layer
     (fold_norm) scales the activations as they are cast to bfloat16, in the same op. A tied Q8_0 embedding table
-    also keeps its int8 rows (`table`, `table_scale`) for lookups."""
+    also keeps its int8 rows (`table`, `table_scale`) for lookups, and for the head's largest logits, which it
+    recomputes from them in float32 (refine_top_logits)."""
 
     can_fold_norms = True
 
@@ -176,7 +180,27 @@ class GGUFInt4LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = self.product(layer, x).to(x.dtype)
+        if self.lookups:  # a tied table's product is the LM head's
+            self.refine_top_logits(layer, x, y)
         return y if bias is None else y.add_(bias)
+
+    def refine_top_logits(self, layer: nn.Module, x: torch.Tensor, logits: torch.Tensor) -> None:
+        """The kernel's outputs are bfloat16: 8 significant bits, 1/8 apart at logits of 16 to 32, as far apart as
+        a model's close candidates often are, so that greedy picks and logprobs would follow the rounding. The
+        REFINED_LOGITS largest of each row are recomputed IN PLACE in float32, from the table's exact rows and x as
+        it is: the tokens that greedy, top-k and top-p choose among, and their logprobs, are the float32 model's
+        (up to the layers' own bfloat16 activations); the others keep the rounding. In chunks of rows, so that the
+        float32 rows gathered stay a few MB when a prompt's logprobs score every row."""
+        rows, flat = x.reshape(-1, x.shape[-1]).float(), logits.view(-1, logits.shape[-1])
+        if layer.input_scale is not None:
+            rows = rows * layer.input_scale
+        count = min(REFINED_LOGITS, flat.shape[-1])
+        for start in range(0, rows.shape[0], 64):
+            chunk, out = rows[start:start + 64], flat[start:start + 64]
+            top = out.topk(count, dim=-1).indices  # [T, count]
+            weights = layer.table[top].to(torch.float32).view(*top.shape, -1, INT4_GROUP)
+            weights = (weights * layer.table_scale[top].unsqueeze(-1)).flatten(-2)  # [T, count, in]: exact
+            out.scatter_(1, top, torch.bmm(weights, chunk.unsqueeze(-1)).squeeze(-1).to(out.dtype))
 
     def add_to(self, layer: nn.Module, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return h.add_(self.product(layer, x))
