@@ -108,6 +108,14 @@ class Linear(nn.Module):
         """h += x W^T, in place (the residual stream of a layer with its norms folded)."""
         return self.method.add_to(self, h, x)
 
+    def normed(self, h: torch.Tensor, eps: float) -> tuple[torch.Tensor, ops.RowNorm | None]:
+        """(the product of RMSNorm(h) whose weight is folded into this layer; the ops.RowNorm that the op after it
+        must still apply, or None where the product applied the norm). Most formats multiply h itself and leave
+        each row's 1/rms to the op after, which on the GPU takes it inside its kernel; a format may normalize h
+        first (model/quantization.py)."""
+        normed = getattr(self.method, "normed", None)
+        return (self(h), ops.RowNorm(h, eps)) if normed is None else normed(self, h, eps)
+
 
 class ColumnParallelLinear(Linear):
     """Each rank holds a slice of the output features and computes that slice of y: no communication."""

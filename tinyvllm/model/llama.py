@@ -107,14 +107,15 @@ class LlamaDecoderLayer(nn.Module):
         """forward() with the norms folded (fold_norms) and the products on cuBLAS, one weight whole (tensor
         parallel size 1), no biases: h is the residual stream itself, updated IN PLACE and returned. No norm
         kernel runs: qkv_proj and gate_up_proj read h, the op after each scales its rows by the norm's 1/rms
-        (ops.RowNorm), and o_proj and down_proj add their product to h in cuBLAS (addmm, beta = 1). Two fewer
-        kernels a layer, and the residual add rounds once (in float32, then to h's dtype)."""
+        (ops.RowNorm; a weight format may normalize first instead, Linear.normed), and o_proj and down_proj add
+        their product to h in cuBLAS (addmm, beta = 1). Two fewer kernels a layer, and the residual add rounds once
+        (in float32, then to h's dtype)."""
         attn, mlp = self.self_attn, self.mlp
-        qkv = ops.rope_store(attn.qkv_proj(h), attn.attn.rope_store(positions, cos_sin, meta),
-                             norm=ops.RowNorm(h, self.input_layernorm.eps))
+        qkv, norm = attn.qkv_proj.normed(h, self.input_layernorm.eps)
+        qkv = ops.rope_store(qkv, attn.attn.rope_store(positions, cos_sin, meta), norm=norm)
         attn.o_proj.add_to(h, attn.attn(qkv, meta))
-        gated = ops.silu_and_mul(mlp.gate_up_proj(h), norm=ops.RowNorm(h, self.post_attention_layernorm.eps))
-        return mlp.down_proj.add_to(h, gated)
+        gate_up, norm = mlp.gate_up_proj.normed(h, self.post_attention_layernorm.eps)
+        return mlp.down_proj.add_to(h, ops.silu_and_mul(gate_up, norm=norm))
 
 
 class LlamaModel(nn.Module):

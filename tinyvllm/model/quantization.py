@@ -171,12 +171,23 @@ class GGUFInt4LinearMethod:
         rows = x.reshape(-1, x.shape[-1])
         if layer.input_scale is not None:
             rows = torch.mul(rows, layer.input_scale, out=torch.empty(rows.shape, dtype=torch.bfloat16))
-        elif rows.dtype != torch.bfloat16:
-            rows = rows.to(torch.bfloat16)
+        return self._kernel(layer, rows).view(*x.shape[:-1], -1)
+
+    def _kernel(self, layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        """rows [T, in] (cast to bfloat16 here if they are not) times the 4-bit weight: [T, out] in bfloat16."""
+        rows = rows if rows.dtype == torch.bfloat16 else rows.to(torch.bfloat16)
         if self.bits == 8:
             rows = rows.repeat(1, 2)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, layer.weight, INT4_GROUP, layer.weight_scale)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, layer.weight, INT4_GROUP, layer.weight_scale)
+
+    def normed(self, layer: nn.Module, h: torch.Tensor, eps: float) -> tuple[torch.Tensor, ops.RowNorm | None]:
+        """Linear.normed: the whole norm before the product (its folded weight is input_scale), where folded into
+        the op after it would cost that op's rows a float32 pass of their own. On this CPU each small op costs more
+        than its arithmetic, and this way the layer makes fewer (benchmarks/RESULTS.md)."""
+        if layer.input_scale is None:
+            return layer(h), ops.RowNorm(h, eps)
+        rows = ops.rms_norm(h.reshape(-1, h.shape[-1]), layer.input_scale, eps)
+        return self._kernel(layer, rows).view(*h.shape[:-1], -1).to(h.dtype), None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = self.product(layer, x).to(x.dtype)
