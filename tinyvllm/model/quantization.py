@@ -119,7 +119,8 @@ class GGUFInt4LinearMethod:
     After loading, `weight` is torch's packed int4 layout (which depends on the CPU's vector width: it is never
     written to disk) and `weight_scale` its bfloat16 scales and zeros [inputs / 32, out, 2]; w = (q - 8) * scale +
     zero, exactly the file's weights with their scales rounded to bfloat16. A norm folded into the layer
-    (fold_norm) scales the activations as they are cast to bfloat16, in the same op. A tied Q8_0 embedding table
+    (fold_norm) scales the activations as they are cast to bfloat16, in the same op (the whole norm, where the
+    layer asks for it: normed). A tied Q8_0 embedding table
     also keeps its int8 rows (`table`, `table_scale`) for lookups, and for the head's largest logits, which it
     recomputes from them in float32 (refine_top_logits)."""
 
@@ -199,8 +200,8 @@ class GGUFInt4LinearMethod:
         """The kernel's outputs are bfloat16: 8 significant bits, 1/8 apart at logits of 16 to 32, as far apart as
         a model's close candidates often are, so that greedy picks and logprobs would follow the rounding. The
         REFINED_LOGITS largest of each row are recomputed IN PLACE in float32, from the table's exact rows and x as
-        it is: the tokens that greedy, top-k and top-p choose among, and their logprobs, are the float32 model's
-        (up to the layers' own bfloat16 activations); the others keep the rounding. In chunks of rows, so that the
+        it is: the most likely tokens (greedy's pick, the head of what sampling draws from) and their logprobs are
+        the float32 model's, up to the layers' own bfloat16 activations; the others keep the rounding. In chunks of rows, so that the
         float32 rows gathered stay a few MB when a prompt's logprobs score every row."""
         rows, flat = x.reshape(-1, x.shape[-1]).float(), logits.view(-1, logits.shape[-1])
         if layer.input_scale is not None:
