@@ -201,8 +201,8 @@ class GGUFInt4LinearMethod:
         a model's close candidates often are, so that greedy picks and logprobs would follow the rounding. The
         REFINED_LOGITS largest of each row are recomputed IN PLACE in float32, from the table's exact rows and x as
         it is: the most likely tokens (greedy's pick, the head of what sampling draws from) and their logprobs are
-        the float32 model's, up to the layers' own bfloat16 activations; the others keep the rounding. In chunks of rows, so that the
-        float32 rows gathered stay a few MB when a prompt's logprobs score every row."""
+        the float32 model's, up to the layers' own bfloat16 activations; the others keep the rounding. In chunks
+        of rows, so that the float32 rows gathered stay a few MB when a prompt's logprobs score every row."""
         rows, flat = x.reshape(-1, x.shape[-1]).float(), logits.view(-1, logits.shape[-1])
         if layer.input_scale is not None:
             rows = rows * layer.input_scale
