@@ -156,8 +156,8 @@ class GGUFInt4LinearMethod:
             q = torch.cat([groups & 0x0F, groups >> 4], dim=-1).view(out_features, -1).to(torch.int32)
             scale_zero = scales
         else:
-            if self.lookups:  # a tied table: its rows for lookups
-                layer.table, layer.table_scale = values, scales
+            if self.lookups:  # a tied table: its rows for lookups (Q8_0's scales are float16 in the file: exact)
+                layer.table, layer.table_scale = values, scales.to(torch.float16)
             q = values.to(torch.int32)
             q = torch.cat([(q >> 4) + 8, q & 0x0F], dim=1)  # hi (arithmetic shift: the floor) + 8, lo
             zeros = torch.zeros_like(scales)
