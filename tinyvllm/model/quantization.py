@@ -120,9 +120,8 @@ class GGUFInt4LinearMethod:
     written to disk) and `weight_scale` its bfloat16 scales and zeros [inputs / 32, out, 2]; w = (q - 8) * scale +
     zero, exactly the file's weights with their scales rounded to bfloat16. A norm folded into the layer
     (fold_norm) scales the activations as they are cast to bfloat16, in the same op (the whole norm, where the
-    layer asks for it: normed). A tied Q8_0 embedding table
-    also keeps its int8 rows (`table`, `table_scale`) for lookups, and for the head's largest logits, which it
-    recomputes from them in float32 (refine_top_logits)."""
+    layer asks for it: normed). A tied Q8_0 embedding table also keeps its int8 rows (`table`, `table_scale`) for
+    lookups, and for the head's largest logits, which it recomputes from them in float32 (refine_top_logits)."""
 
     can_fold_norms = True
 
@@ -176,17 +175,15 @@ class GGUFInt4LinearMethod:
 
     def _kernel(self, layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
         """rows [T, in] (cast to bfloat16 here if they are not) times the 4-bit weight: [T, out] in bfloat16."""
-        rows = rows if rows.dtype == torch.bfloat16 else rows.to(torch.bfloat16)
+        rows = rows.to(torch.bfloat16)
         if self.bits == 8:
             rows = rows.repeat(1, 2)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, layer.weight, INT4_GROUP, layer.weight_scale)
 
-    def normed(self, layer: nn.Module, h: torch.Tensor, eps: float) -> tuple[torch.Tensor, ops.RowNorm | None]:
-        """Linear.normed: the whole norm before the product (its folded weight is input_scale), where folded into
-        the op after it would cost that op's rows a float32 pass of their own. On this CPU each small op costs more
-        than its arithmetic, and this way the layer makes fewer (benchmarks/RESULTS.md)."""
-        if layer.input_scale is None:
-            return layer(h), ops.RowNorm(h, eps)
+    def normed(self, layer: nn.Module, h: torch.Tensor, eps: float) -> tuple[torch.Tensor, None]:
+        """Linear.normed: the whole norm before the product (its folded weight is input_scale, fold_norm), where
+        folded into the op after it would cost that op's rows a float32 pass of their own. On this CPU each small op
+        costs more than its arithmetic, and this way the layer makes fewer (benchmarks/RESULTS.md)."""
         rows = ops.rms_norm(h.reshape(-1, h.shape[-1]), layer.input_scale, eps)
         return self._kernel(layer, rows).view(*h.shape[:-1], -1).to(h.dtype), None
 
