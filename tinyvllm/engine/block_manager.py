@@ -67,6 +67,14 @@ class BlockManager:
             return 0
         return max(0, (num_computed_tokens - self.sliding_window) // self.block_size)
 
+    def most_tokens_held(self, chunk: int) -> int | None:
+        """Where every layer has the window: the most tokens' worth of blocks one sequence holds at once, however
+        long it grows, when a step adds at most `chunk` tokens to it (what blocks_out_of_window gives back leaves the
+        window, the chunk and a partial block at each end). None without a window: a sequence holds all it has."""
+        if self.sliding_window is None:
+            return None
+        return self.sliding_window + chunk + 2 * self.block_size
+
     def remove_skipped_blocks(self, seq: Sequence) -> None:
         """Give back seq's leading blocks that fell out of the window (vLLM's name): as free's, their references
         are dropped (a cached block stays in the prefix cache for others until evicted). The scheduler asks before

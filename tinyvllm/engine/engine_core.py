@@ -132,15 +132,13 @@ class EngineCore:
     @property
     def kv_capacity_tokens(self) -> int:
         """The most tokens (prompt and output) one request may hold in the KV cache: the pool's; or, where every layer
-        attends within a sliding window and the pool holds the most one sequence keeps at once (its window, a step's
-        chunk and a partial block at each end: the scheduler gives back the blocks that fell out of the window), any
-        length the model takes."""
-        bm, scheduler = self.block_manager, self.scheduler
+        attends within a sliding window and the pool holds the most one sequence keeps at once
+        (BlockManager.most_tokens_held: the scheduler gives back the blocks that fell out of the window), any length
+        the model takes."""
+        bm = self.block_manager
         pool = bm.num_blocks * bm.block_size
-        window = bm.sliding_window
-        if window is not None and window + scheduler.max_num_batched_tokens + 2 * bm.block_size <= pool:
-            return max(pool, scheduler.max_model_len)
-        return pool
+        held = bm.most_tokens_held(self.scheduler.max_num_batched_tokens)
+        return max(pool, self.scheduler.max_model_len) if held is not None and held <= pool else pool
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
